@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Run a script with torchrun, one process per visible GPU:
+#     bash launch.sh [--nproc N] [--heap SIZE] script.py [args...]
+# --nproc  processes (default: the number of visible GPUs; 2 when there is none)
+# --heap   NVSHMEM symmetric heap per GPU (default: $NVSHMEM_SYMMETRIC_SIZE, else 4G)
+# With no GPU the script still runs, as CPU processes on gloo (the reference path).
+# NVSHMEM_DISABLE_NVLS, NCCL_NVLS_ENABLE and TORCH_SYMM_MEM_DISABLE_MULTICAST pass through untouched.
+set -euo pipefail
+
+usage() { echo "usage: bash launch.sh [--nproc N] [--heap SIZE] script.py [args...]"; }
+fail() { echo "launch.sh: $1" >&2; usage >&2; exit 2; }
+
+nproc=""
+heap="${NVSHMEM_SYMMETRIC_SIZE:-4G}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc) [[ $# -ge 2 ]] || fail "--nproc needs a value"; nproc="$2"; shift 2 ;;
+    --nproc=*) nproc="${1#*=}"; shift ;;
+    --heap) [[ $# -ge 2 ]] || fail "--heap needs a value"; heap="$2"; shift 2 ;;
+    --heap=*) heap="${1#*=}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    -*) fail "unknown option $1" ;;
+    *) break ;;
+  esac
+done
+[[ $# -ge 1 ]] || fail "no script given"
+[[ -f "$1" ]] || fail "no such script: $1"
+[[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || fail "--nproc must be a positive integer, got '$nproc'"
+[[ "$heap" =~ ^[0-9]+[KMGT]?$ ]] || fail "--heap must look like 512M or 4G, got '$heap'"
+
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if (( gpus == 0 )); then
+  nproc="${nproc:-2}"
+  echo "launch.sh: no GPU visible, running $nproc CPU processes on gloo (reference path)"
+else
+  nproc="${nproc:-$gpus}"
+  (( nproc <= gpus )) || fail "--nproc $nproc but only $gpus GPU(s) visible"
+fi
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export NVSHMEM_SYMMETRIC_SIZE="$heap"
+export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"   # one node: NVLink peers only
+exec python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" "$@"

@@ -1,0 +1,19 @@
+"""moe_ep: NVSHMEM-backed Triton kernels for expert-parallel MoE communication, with a torch.distributed reference.
+
+Public API:
+    EPAllToAll        low-latency dispatch/combine (FP8 inside dispatch, double-buffered signals)
+    EPHandle          what dispatch hands to combine
+    CommTimeoutError  raised when a device-side wait ran past its bound
+    quantize_fp8      the per-group FP8 quantization kernel dispatch applies
+    random_topk, link_copies   routing helpers
+    runtime           NVSHMEM lifetime (init, symmetric tensors, peer pointers, finalize)
+    reference         the same contracts on torch.distributed collectives
+"""
+from . import reference, runtime
+from .ep import CommTimeoutError, EPAllToAll, EPHandle
+from .kernels.quant import quantize_fp8
+from .routing import link_copies, random_topk
+
+__all__ = ["EPAllToAll", "EPHandle", "CommTimeoutError", "quantize_fp8", "random_topk", "link_copies",
+           "runtime", "reference"]
+__version__ = "0.1.0"

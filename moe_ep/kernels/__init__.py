@@ -1,0 +1,1 @@
+"""Triton kernels, one concern per module: quant (FP8 per-group quantization), all_to_all (EP dispatch/combine)."""

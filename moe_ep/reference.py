@@ -1,0 +1,170 @@
+"""The library's contracts computed with plain torch and torch.distributed collectives.
+
+This module is the test oracle and the ``backend="reference"`` fallback (CPU with gloo, GPU
+with NCCL). It imports nothing from the rest of the package, so it cannot share a bug with
+the kernels it checks.
+
+Expert-parallel dispatch/combine contract (``moe_ep.EPAllToAll``), world W, experts E,
+E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)):
+
+dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K]):
+    * FP8: each token is quantized per `group` columns with ``quantize_fp8``.
+    * each token is sent once to every rank owning at least one of its experts
+      (ids of -1 are dropped slots and go nowhere);
+    * the receiver lays the rows out expert-major: recv_x [E_loc, W * T_max, H], rows of
+      expert e ordered by (source rank, source token, k); recv_count [E_loc];
+      recv_src [E_loc, W * T_max] int32 = (src * T_max + t) * K + k for valid rows.
+combine(expert_out [E_loc, W * T_max, H], handle) -> y [T, H]:
+    * the expert rank sums w[t, k] * expert_out[row(t, k)] over its local experts in fp32,
+      in k order, casts to x's dtype and returns that one row per (token, rank);
+    * the source adds the rows of the ranks the token went to, in rank order, in fp32,
+      and casts to x's dtype. A token with every slot dropped gets zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def quantize_fp8(x: torch.Tensor, group: int = 128):
+    """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, H // group] float32); x ~= q * scale.
+
+    scale = max(amax over the group, 1e-4) / 448, q = fp8(x / scale), round to nearest even.
+    """
+    tokens, hidden = x.shape
+    xf = x.float().reshape(tokens, hidden // group, group)
+    scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    q = (xf / scales[..., None]).to(torch.float8_e4m3fn)
+    return q.reshape(tokens, hidden), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """(q [..., H] fp8, scales [..., H // group]) -> float32 [..., H]."""
+    return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+
+
+def _rows_to_bytes(*parts: torch.Tensor) -> torch.Tensor:
+    """Concatenate per-row tensors [N, ...] into one uint8 [N, bytes] tensor."""
+    rows = [(p[:, None] if p.dim() == 1 else p.flatten(1)).contiguous().view(torch.uint8) for p in parts]
+    return torch.cat(rows, dim=1)
+
+
+def _bytes_to_rows(rows: torch.Tensor, specs):
+    """Inverse of _rows_to_bytes: specs = [(dtype, per-row shape), ...]."""
+    out, start = [], 0
+    for dtype, shape in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(rows[:, start:start + nbytes].contiguous().view(dtype).reshape(rows.shape[0], *shape))
+        start += nbytes
+    return out
+
+
+def _exchange_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """all_to_all_single of byte rows with uneven splits."""
+    received = torch.empty((sum(recv_counts), rows.shape[1]), dtype=torch.uint8, device=rows.device)
+    dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
+    return received
+
+
+@dataclass
+class ReferenceHandle:
+    """What combine needs from a reference dispatch."""
+    num_tokens: int
+    topk: int
+    dtype: torch.dtype
+    send_rank: torch.Tensor        # [S] rank each sent row went to (rank order)
+    send_token: torch.Tensor       # [S] source token of each sent row
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_weights: torch.Tensor     # [N, K] float32, weights of each received row
+    entry_row: torch.Tensor        # [M] received row of each (row, k) entry that is local
+    entry_k: torch.Tensor          # [M] its k
+    entry_expert: torch.Tensor     # [M] its local expert
+    entry_pos: torch.Tensor        # [M] its row within the expert
+    recv_src: torch.Tensor         # [E_loc, W * T_max] int32, (src * T_max + t) * K + k, -1 if unused
+
+
+def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp8_group: int | None,
+             group=None):
+    """Returns (recv_x, recv_scales or None, recv_count [E_loc] int32, ReferenceHandle)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts_per_rank = num_experts // world
+    tokens, hidden = x.shape
+    topk = topk_ids.shape[1]
+    device = x.device
+    ids = topk_ids.long()
+
+    if fp8_group:
+        payload, scales = quantize_fp8(x, fp8_group)
+        scale_shape = (hidden // fp8_group,)
+    else:
+        payload, scales, scale_shape = x, torch.empty(tokens, 0, device=device), (0,)
+
+    dest = torch.where(ids >= 0, ids // experts_per_rank, -1)
+    routed = (dest[:, :, None] == torch.arange(world, device=device)).any(1)       # [T, W]
+    send_rank, send_token = routed.t().nonzero(as_tuple=True)                     # rank-major
+    send_counts = routed.sum(0).long()
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
+
+    token_index = torch.arange(tokens, device=device, dtype=torch.int32)
+    rows = _rows_to_bytes(payload, scales, ids.int(), topk_weights.float(), token_index)[send_token]
+    received = _exchange_rows(rows, send_counts, recv_counts, group)
+    r_payload, r_scales, r_ids, r_weights, r_token = _bytes_to_rows(received, [
+        (payload.dtype, (hidden,)), (torch.float32, scale_shape), (torch.int32, (topk,)),
+        (torch.float32, (topk,)), (torch.int32, ())])
+    r_src = torch.repeat_interleave(torch.arange(world, device=device), torch.tensor(recv_counts, device=device))
+
+    # Expert-major layout: local (row, k) entries in (src, t, k) order, grouped by expert.
+    r_ids = r_ids.long()
+    local = (r_ids >= 0) & (r_ids // experts_per_rank == rank)
+    entry_row, entry_k = local.nonzero(as_tuple=True)
+    entry_expert = r_ids[entry_row, entry_k] - rank * experts_per_rank
+    order = torch.sort(entry_expert, stable=True).indices
+    entry_row, entry_k, entry_expert = entry_row[order], entry_k[order], entry_expert[order]
+    recv_count = torch.bincount(entry_expert, minlength=experts_per_rank)
+    first = torch.cumsum(recv_count, 0) - recv_count
+    entry_pos = torch.arange(entry_expert.numel(), device=device) - first[entry_expert]
+
+    rows_per_expert = world * max_tokens
+    recv_x = torch.empty((experts_per_rank, rows_per_expert, hidden), dtype=payload.dtype, device=device)
+    recv_x[entry_expert, entry_pos] = r_payload[entry_row]
+    recv_scales = None
+    if fp8_group:
+        recv_scales = torch.empty((experts_per_rank, rows_per_expert, hidden // fp8_group),
+                                  dtype=torch.float32, device=device)
+        recv_scales[entry_expert, entry_pos] = r_scales[entry_row]
+    recv_src = torch.full((experts_per_rank, rows_per_expert), -1, dtype=torch.int32, device=device)
+    source = (r_src[entry_row] * max_tokens + r_token[entry_row].long()) * topk + entry_k
+    recv_src[entry_expert, entry_pos] = source.int()
+
+    handle = ReferenceHandle(tokens, topk, x.dtype, send_rank, send_token, send_counts, recv_counts,
+                             r_weights, entry_row, entry_k, entry_expert, entry_pos, recv_src)
+    return recv_x, recv_scales, recv_count.int(), handle
+
+
+def combine(expert_out: torch.Tensor, handle: ReferenceHandle, group=None) -> torch.Tensor:
+    """expert_out [E_loc, W * T_max, H] -> y [T, H] in the dispatched x's dtype."""
+    world = dist.get_world_size(group)
+    hidden = expert_out.shape[-1]
+    device = expert_out.device
+    h = handle
+    partial = torch.zeros((len(h.recv_weights), hidden), dtype=torch.float32, device=device)
+    for k in range(h.topk):                                  # k order, as the kernel sums
+        sel = h.entry_k == k
+        rows = h.entry_row[sel]
+        y = expert_out[h.entry_expert[sel], h.entry_pos[sel]].float()
+        partial[rows] = partial[rows] + h.recv_weights[rows, k, None] * y
+    back = _exchange_rows(partial.to(h.dtype).view(torch.uint8), h.recv_counts, h.send_counts, group)
+    back = back.view(h.dtype)
+    out = torch.zeros((h.num_tokens, hidden), dtype=torch.float32, device=device)
+    for r in range(world):                                   # rank order
+        sel = h.send_rank == r
+        out[h.send_token[sel]] += back[sel].float()
+    return out.to(h.dtype)

@@ -1,0 +1,218 @@
+"""NVSHMEM lifetime for a torch.distributed job: init, symmetric tensors, peer pointers, finalize.
+
+One process owns one GPU and one NVSHMEM processing element (PE); PE numbers equal the
+ranks of torch.distributed's default group. Everything here is host code and imports
+nothing else from the package.
+
+    import torch.distributed as dist
+    from moe_ep import runtime
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    runtime.init()                              # UID bootstrap over the process group, no MPI
+    buf = runtime.symmetric_zeros((1024,), torch.float32)   # collective: same call on every rank
+    peer = runtime.peer_ptr(buf, (rank + 1) % world)         # NVLink address of the peer's copy
+    ...
+    runtime.finalize()                          # frees what is still allocated, then NVSHMEM
+
+Kernels that call NVSHMEM device functions (``moe_ep.shmem``) are launched with
+``extern_libs=runtime.device_library()``; a Triton post-compile hook installed by
+``init`` runs ``nvshmemx_cumodule_init`` on every such module before its first launch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NvshmemUnavailable", "init_distributed", "init", "finalize", "is_initialized", "symmetric_empty",
+    "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier",
+]
+
+HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
+
+
+class NvshmemUnavailable(RuntimeError):
+    """NVSHMEM cannot be used in this process (package missing, no GPU, ...)."""
+
+
+_state = {"initialized": False, "hook_installed": False}
+_owned: dict[int, torch.Tensor] = {}   # data_ptr -> symmetric tensor this module allocated
+_modules: list[int] = []               # CUmodule handles of compiled kernels that link NVSHMEM
+
+
+def _nvshmem():
+    try:
+        import nvshmem.core as core
+        import nvshmem.bindings as bindings
+    except ImportError as e:
+        raise NvshmemUnavailable(
+            "nvshmem4py is not installed: pip install 'moe-ep[nvshmem]' (package nvshmem4py-cu13), "
+            "or use backend='reference'") from e
+    return core, bindings
+
+
+def init_distributed() -> torch.device:
+    """Start torch.distributed from torchrun's environment: NCCL with one GPU per process
+    (LOCAL_RANK) when GPUs are visible, gloo on CPU otherwise. Returns this process's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+        return device
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def is_initialized() -> bool:
+    return _state["initialized"]
+
+
+def init(group: dist.ProcessGroup | None = None) -> None:
+    """Start NVSHMEM on every rank of the default process group (collective, idempotent).
+
+    The unique id is made on rank 0 and broadcast over torch.distributed; each process uses
+    ``torch.cuda.current_device()`` (set it to the local rank before calling).
+    """
+    if _state["initialized"]:
+        return
+    if not dist.is_initialized():
+        raise RuntimeError("moe_ep.runtime.init() needs torch.distributed to be initialized first")
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError("NVSHMEM spans the default process group; a subgroup of "
+                         f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks is not supported")
+    if not torch.cuda.is_available():
+        raise NvshmemUnavailable("NVSHMEM needs CUDA GPUs; none is visible (use backend='reference' on CPU)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if torch.cuda.device_count() < local_world:
+        raise NvshmemUnavailable(f"{local_world} ranks on this node but only {torch.cuda.device_count()} "
+                                 "visible GPU(s): NVSHMEM needs one GPU per rank")
+    core, _ = _nvshmem()
+    from cuda.core import Device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = Device(torch.cuda.current_device())
+    device.set_current()
+    uid = [core.get_unique_id(empty=rank != 0)]
+    dist.broadcast_object_list(uid, src=0)
+    core.init(device=device, uid=uid[0], rank=rank, nranks=world, initializer_method="uid")
+    _state["initialized"] = True
+    _install_compile_hook()
+    for module in _modules:   # modules compiled before a finalize/init cycle
+        _cumodule_init(module)
+
+
+def finalize() -> None:
+    """Free every symmetric tensor still owned, then stop NVSHMEM (collective, idempotent)."""
+    if not _state["initialized"]:
+        return
+    core, _ = _nvshmem()
+    torch.cuda.synchronize()
+    for t in list(_owned.values()):
+        free(t)
+    core.finalize()
+    _state["initialized"] = False
+
+
+def barrier() -> None:
+    """Device-synchronize, then a host barrier over the process group."""
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def symmetric_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on the NVSHMEM symmetric heap (collective: same shape and dtype on every rank)."""
+    if not _state["initialized"]:
+        raise RuntimeError("call moe_ep.runtime.init() before allocating symmetric memory")
+    core, _ = _nvshmem()
+    try:
+        t = core.tensor(tuple(shape), dtype=dtype)
+    except Exception as e:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raise RuntimeError(
+            f"symmetric allocation of {nbytes / 2**20:.1f} MiB failed ({e}); the symmetric heap is "
+            f"{os.environ.get(HEAP_VARIABLE, 'the NVSHMEM default')}: raise {HEAP_VARIABLE} "
+            "(launch.sh --heap) before the job starts") from e
+    _owned[t.data_ptr()] = t
+    return t
+
+
+def symmetric_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    t = symmetric_empty(shape, dtype)
+    t.zero_()
+    return t
+
+
+def free(t: torch.Tensor) -> None:
+    """Give a symmetric tensor back (collective). The tensor must not be used afterwards."""
+    core, _ = _nvshmem()
+    if _owned.pop(t.data_ptr(), None) is None:
+        raise ValueError("not a symmetric tensor owned by moe_ep.runtime (or freed already)")
+    core.free_tensor(t)
+
+
+def peer_ptr(t: torch.Tensor, pe: int) -> int | None:
+    """Address through which this GPU loads/stores `pe`'s copy of `t` (NVLink), or None."""
+    _, bindings = _nvshmem()
+    address = bindings.ptr(t.data_ptr(), pe)
+    return int(address) or None
+
+
+def peer_tensor(t: torch.Tensor, pe: int) -> torch.Tensor:
+    """A torch view of `pe`'s copy of symmetric tensor `t` (needs a peer pointer)."""
+    core, _ = _nvshmem()
+    if peer_ptr(t, pe) is None:
+        raise ValueError(f"rank {pe} has no peer pointer from rank {dist.get_rank()} (not NVLink/P2P reachable)")
+    return core.get_peer_tensor(t, pe)
+
+
+def device_library() -> dict[str, str]:
+    """``extern_libs`` for kernels that call ``moe_ep.shmem`` device functions."""
+    core, _ = _nvshmem()
+    return {"libnvshmem_device": core.find_device_bitcode_library()}
+
+
+# -- module init for kernels that link NVSHMEM -------------------------------------------------------
+
+def _cumodule_init(module: int) -> None:
+    _, bindings = _nvshmem()
+    status = bindings.cumodule_init(module)
+    if status:
+        raise RuntimeError(f"nvshmemx_cumodule_init failed with status {status}")
+
+
+def _init_nvshmem_module(*args, **kwargs):
+    """Triton jit_post_compile_hook: run nvshmemx_cumodule_init on modules that link NVSHMEM.
+
+    The filter is the compile options' extern_libs (a text search of the PTX would be
+    fooled by file names); the module handle comes from the freshly cached kernel.
+    """
+    options = kwargs["compile"]
+    if "libnvshmem_device" not in dict(options.get("extern_libs") or ()):
+        return
+    kernel = kwargs["fn"].jit_function.device_caches[options["device"]][0][kwargs["key"]]
+    kernel._init_handles()
+    module = int(kernel.module)
+    if module not in _modules:
+        _modules.append(module)
+        if _state["initialized"]:
+            _cumodule_init(module)
+
+
+def _install_compile_hook() -> None:
+    if _state["hook_installed"]:
+        return
+    import triton
+
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        result = previous(*args, **kwargs) if previous is not None else None
+        _init_nvshmem_module(*args, **kwargs)
+        return result
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    _state["hook_installed"] = True

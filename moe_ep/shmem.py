@@ -1,0 +1,286 @@
+"""Triton device library: NVSHMEM device functions, their constants, and a bounded spin-wait.
+
+Each NVSHMEM function is bound twice: a raw ``@core.extern`` whose argument dtypes match
+the C prototype exactly (pointers travel as int64, signals as uint64, ``pe``/``sig_op``/
+``cmp`` as int32; a mismatch can hang or fault), and a ``@triton.jit`` wrapper of the same
+name without the leading underscore that casts whatever it is given. Functions that
+return ``void`` in C are declared to return an int32 that nobody reads.
+
+Kernels that call any of these must be launched with
+``extern_libs=moe_ep.runtime.device_library()``; ``moe_ep.runtime.init`` makes sure each
+such module is initialized (``nvshmemx_cumodule_init``) before it first runs.
+
+Scope: ``_block`` functions are called by every thread of the program (they are
+collective over the CTA), ``_warp`` functions by every thread of a warp, i.e. with
+``num_warps=1`` in Triton. A scalar extern is executed by every thread, so a
+thread-scope put would be issued once per thread: only block and warp variants are bound.
+
+``wait_until_ge`` needs no NVSHMEM at all: it spins on an acquire load of a local flag
+with a deadline from the global timer and reports a timeout instead of hanging.
+"""
+import triton
+import triton.language as tl
+from triton.language import core
+
+# nvshmem_constants.h / nvshmem_common_transport.h. A jit function may read a module global
+# only when it is a tl.constexpr.
+SIGNAL_SET = tl.constexpr(9)
+SIGNAL_ADD = tl.constexpr(10)
+CMP_EQ = tl.constexpr(0)
+CMP_NE = tl.constexpr(1)
+CMP_GT = tl.constexpr(2)
+CMP_LE = tl.constexpr(3)
+CMP_LT = tl.constexpr(4)
+CMP_GE = tl.constexpr(5)
+
+# Codes written into a status tensor by wait_until_ge: [code, peer, tag].
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMEOUT = tl.constexpr(1)
+
+_i32, _i64, _u64 = core.dtype("int32"), core.dtype("int64"), core.dtype("uint64")
+_PTR = _i64
+
+
+def _call(symbol, args, arg_types, ret, semantic, pure=False):
+    return core.extern_elementwise("", "", args, {tuple(arg_types): (symbol, ret)},
+                                   is_pure=pure, _semantic=semantic)
+
+
+# ----------------------------------------------------------------------------- raw externs
+
+@core.extern
+def _my_pe(_semantic=None):
+    return _call("nvshmem_my_pe", [], [], _i32, _semantic, pure=True)
+
+
+@core.extern
+def _n_pes(_semantic=None):
+    return _call("nvshmem_n_pes", [], [], _i32, _semantic, pure=True)
+
+
+def _rma(symbol):
+    """void symbol(void *dest, const void *src, size_t nbytes, int pe)."""
+    @core.extern
+    def fn(dest, source, nbytes, pe, _semantic=None):
+        return _call(symbol, [dest, source, nbytes, pe], [_PTR, _PTR, _i64, _i32], _i32, _semantic)
+    return fn
+
+
+def _rma_signal(symbol):
+    """void symbol(void *dest, const void *src, size_t nbytes, uint64_t *sig, uint64_t val, int op, int pe)."""
+    @core.extern
+    def fn(dest, source, nbytes, sig_addr, signal, sig_op, pe, _semantic=None):
+        return _call(symbol, [dest, source, nbytes, sig_addr, signal, sig_op, pe],
+                     [_PTR, _PTR, _i64, _PTR, _u64, _i32, _i32], _i32, _semantic)
+    return fn
+
+
+_putmem_block = _rma("nvshmemx_putmem_block")
+_putmem_warp = _rma("nvshmemx_putmem_warp")
+_putmem_nbi_block = _rma("nvshmemx_putmem_nbi_block")
+_putmem_nbi_warp = _rma("nvshmemx_putmem_nbi_warp")
+_getmem_block = _rma("nvshmemx_getmem_block")
+_getmem_nbi_block = _rma("nvshmemx_getmem_nbi_block")
+_putmem_signal_block = _rma_signal("nvshmemx_putmem_signal_block")
+_putmem_signal_warp = _rma_signal("nvshmemx_putmem_signal_warp")
+_putmem_signal_nbi_block = _rma_signal("nvshmemx_putmem_signal_nbi_block")
+_putmem_signal_nbi_warp = _rma_signal("nvshmemx_putmem_signal_nbi_warp")
+
+
+@core.extern
+def _signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
+    return _call("nvshmemx_signal_op", [sig_addr, signal, sig_op, pe], [_PTR, _u64, _i32, _i32], _i32, _semantic)
+
+
+@core.extern
+def _signal_wait_until(sig_addr, cmp, cmp_value, _semantic=None):
+    return _call("nvshmem_signal_wait_until", [sig_addr, cmp, cmp_value], [_PTR, _i32, _u64], _u64, _semantic)
+
+
+@core.extern
+def _uint64_wait_until(ivar, cmp, cmp_value, _semantic=None):
+    return _call("nvshmem_uint64_wait_until", [ivar, cmp, cmp_value], [_PTR, _i32, _u64], _i32, _semantic)
+
+
+@core.extern
+def _ptr(dest, pe, _semantic=None):
+    return _call("nvshmem_ptr", [dest, pe], [_PTR, _i32], _i64, _semantic, pure=True)
+
+
+def _no_arg(symbol):
+    @core.extern
+    def fn(_semantic=None):
+        return _call(symbol, [], [], _i32, _semantic)
+    return fn
+
+
+_fence = _no_arg("nvshmem_fence")
+_quiet = _no_arg("nvshmem_quiet")
+_barrier_all_block = _no_arg("nvshmemx_barrier_all_block")
+_sync_all_block = _no_arg("nvshmemx_sync_all_block")
+
+
+# ----------------------------------------------------------------------------- jit wrappers
+
+@triton.jit
+def my_pe():
+    """This PE's number (equals the torch.distributed rank)."""
+    return _my_pe()
+
+
+@triton.jit
+def n_pes():
+    """Number of PEs."""
+    return _n_pes()
+
+
+@triton.jit
+def putmem_block(dest, source, nbytes, pe):
+    """Copy `nbytes` from local `source` to `dest` on `pe`; returns when `source` may be reused."""
+    _putmem_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_warp(dest, source, nbytes, pe):
+    """putmem_block for a program of one warp."""
+    _putmem_warp(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_nbi_block(dest, source, nbytes, pe):
+    """Non-blocking put: complete only after quiet() (or a fence for ordering)."""
+    _putmem_nbi_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_nbi_warp(dest, source, nbytes, pe):
+    """putmem_nbi_block for a program of one warp."""
+    _putmem_nbi_warp(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def getmem_block(dest, source, nbytes, pe):
+    """Copy `nbytes` from `source` on `pe` into local `dest`; the data is there on return."""
+    _getmem_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def getmem_nbi_block(dest, source, nbytes, pe):
+    """Non-blocking get: the data is there after quiet()."""
+    _getmem_nbi_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    """Put, then update the uint64 `sig_addr` on `pe` with `sig_op` (SIGNAL_SET/ADD) after the data lands."""
+    _putmem_signal_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64),
+                         sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), tl.cast(sig_op, tl.int32),
+                         tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_signal_warp(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    """putmem_signal_block for a program of one warp."""
+    _putmem_signal_warp(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64),
+                        sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), tl.cast(sig_op, tl.int32),
+                        tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    """Non-blocking put with signal: the signal is updated only after the data has landed."""
+    _putmem_signal_nbi_block(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64),
+                             sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), tl.cast(sig_op, tl.int32),
+                             tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def putmem_signal_nbi_warp(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    """putmem_signal_nbi_block for a program of one warp."""
+    _putmem_signal_nbi_warp(dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64),
+                            sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), tl.cast(sig_op, tl.int32),
+                            tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def signal_op(sig_addr, signal, sig_op, pe):
+    """Atomically set or add `signal` to the uint64 at `sig_addr` on `pe`."""
+    _signal_op(sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), tl.cast(sig_op, tl.int32), tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def signal_wait_until(sig_addr, cmp, value):
+    """Block until the local uint64 signal compares true against `value`; returns the signal."""
+    return _signal_wait_until(sig_addr.to(tl.int64), tl.cast(cmp, tl.int32), tl.cast(value, tl.uint64))
+
+
+@triton.jit
+def wait_until(ivar, cmp, value):
+    """Block until the local uint64 `ivar` compares true against `value` (nvshmem_uint64_wait_until)."""
+    _uint64_wait_until(ivar.to(tl.int64), tl.cast(cmp, tl.int32), tl.cast(value, tl.uint64))
+
+
+@triton.jit
+def fence():
+    """Order this thread's earlier puts to each PE before its later ones."""
+    _fence()
+
+
+@triton.jit
+def quiet():
+    """Complete every outstanding put/get of this thread."""
+    _quiet()
+
+
+@triton.jit
+def barrier_all_block():
+    """Complete outstanding puts, then wait for every PE to reach the barrier (one program per PE)."""
+    _barrier_all_block()
+
+
+@triton.jit
+def sync_all_block():
+    """Wait for every PE to reach the barrier, without completing puts (one program per PE)."""
+    _sync_all_block()
+
+
+@triton.jit
+def remote_ptr(ptr, pe):
+    """nvshmem_ptr: the address through which plain loads/stores reach `pe`'s copy of the
+    symmetric `ptr` (NVLink), as a pointer of ptr's type; null (0) when `pe` is not reachable."""
+    address = _ptr(ptr.to(tl.int64), tl.cast(pe, tl.int32))
+    return address.to(ptr.dtype)
+
+
+# ----------------------------------------------------------------------------- bounded waits
+
+@triton.jit
+def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
+    """Spin until the int64 at `flag` is >= `target`, for at most `timeout_ns` nanoseconds.
+
+    Loads are acquire at system scope, so what the writer stored before its release
+    (the data this flag announces) is visible afterwards to the whole program. Returns
+    True when the target was reached. On timeout, writes [STATUS_TIMEOUT, peer, tag]
+    into the int32 `status` (host-readable pinned memory in practice) and returns False:
+    the caller skips its work and the host raises.
+    """
+    deadline = tl.extra.cuda.globaltimer() + timeout_ns
+    value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    while (value < target) & (tl.extra.cuda.globaltimer() < deadline):
+        value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    if value < target:
+        tl.store(status + 1, peer)
+        tl.store(status + 2, tag)
+        tl.store(status, STATUS_TIMEOUT)
+    tl.debug_barrier()
+    return value >= target
+
+
+@triton.jit
+def signal_add(flag, value):
+    """Release-add `value` to an int64 flag (local or through a peer pointer) once per program.
+
+    The barrier first makes every thread's earlier stores part of what the release publishes.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(flag, value, sem="release", scope="sys")

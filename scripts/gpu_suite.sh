@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole GPU suite and the benchmarks in one command, for a machine with >= 2 GPUs:
+#
+#     bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench]      (default: all three)
+#
+# Every step runs under `timeout`; logs, JSON and plots land in OUTDIR. If nvshmem4py is not
+# importable and wheels lie in .whl/, they are installed into /tmp/site first.
+# The exit status is non-zero if any step failed.
+set -uo pipefail
+out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench]}"
+shift
+parts="${*:-tests tutorials bench}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$out"
+
+if ! python3 -c "import nvshmem.core" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
+  python3 -c "import torch, triton, nvshmem; print('torch', torch.__version__, 'triton', triton.__version__, 'nvshmem4py', nvshmem.__version__)"
+  env | grep -E '^(NVSHMEM|NCCL|TORCH_SYMM)' | sort; } > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+failed=0
+step() {   # step NAME SECONDS command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc"
+  [[ $rc == 0 ]] || failed=1
+}
+for part in $parts; do
+  case "$part" in
+    tests) step pytest 420 python3 -m pytest -q -rs tests ;;
+    tutorials) step tutorial01 120 bash launch.sh tutorials/01-ring-exchange.py
+               step tutorial04 180 bash launch.sh tutorials/04-ep-all-to-all.py ;;
+    bench) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
+    *) echo "unknown part: $part"; failed=1 ;;
+  esac
+done
+exit $failed

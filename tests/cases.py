@@ -1,0 +1,68 @@
+"""Inputs and a brute-force oracle shared by the EP tests.
+
+Every rank can rebuild every other rank's inputs from (seed, rank), so the expected result
+of a dispatch or combine is computed token by token here, independently of moe_ep.reference.
+"""
+import torch
+
+from moe_ep.reference import dequantize_fp8, quantize_fp8
+from moe_ep.routing import random_topk
+
+
+def make_inputs(rank, tokens, hidden, num_experts, topk, seed, dtype=torch.bfloat16, drop=0.0, one_expert=None,
+                device="cpu"):
+    """x [T, H], topk_ids [T, K] int64, topk_weights [T, K] f32 for `rank` (T = tokens[rank])."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    count = tokens[rank]
+    x = (torch.randn(count, hidden, generator=g) * torch.rand(count, 1, generator=g) * 4).to(dtype)
+    ids, weights = random_topk(count, num_experts, topk, generator=g)
+    if one_expert is not None:          # every token picks this expert; its other experts stay distinct
+        others = torch.argsort(torch.rand(count, num_experts - 1, generator=g), dim=1)[:, :topk - 1]
+        ids = torch.cat([torch.full((count, 1), one_expert), others + (others >= one_expert).long()], dim=1)
+    if drop:
+        ids[torch.rand(count, topk, generator=g) < drop] = -1
+    return x.to(device), ids.to(device), weights.to(device)
+
+
+def expert_fn(recv_x, recv_scales, group, dtype):
+    """A toy expert: dequantize and scale each local expert e by (e + 1) / 2, in `dtype`."""
+    rows = recv_x.float() if recv_scales is None else dequantize_fp8(recv_x, recv_scales, group)
+    factor = (torch.arange(rows.shape[0], device=rows.device, dtype=torch.float32) + 1) / 2
+    return (rows * factor[:, None, None]).to(dtype)
+
+
+def expected_dispatch(rank, world, inputs, num_experts, max_tokens, group):
+    """Per local expert: list of (payload row, scales row or None, source code) in contract order."""
+    experts_per_rank = num_experts // world
+    expected = [[] for _ in range(experts_per_rank)]
+    for src, (x, ids, _) in enumerate(inputs):
+        payload, scales = quantize_fp8(x, group) if group else (x, None)
+        for t in range(x.shape[0]):
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                if e >= 0 and e // experts_per_rank == rank:
+                    expected[e - rank * experts_per_rank].append(
+                        (payload[t], None if scales is None else scales[t], (src * max_tokens + t) * ids.shape[1] + k))
+    return expected
+
+
+def expected_combine(rank, world, inputs, num_experts, group, dtype):
+    """y [T, H] for `rank`: per-rank fp32 sums in k order, cast, then summed in rank order."""
+    x, ids, weights = inputs[rank]
+    experts_per_rank = num_experts // world
+    payload, scales = quantize_fp8(x, group) if group else (x, None)
+    tokens = payload.float() if scales is None else dequantize_fp8(payload, scales, group)
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for r in range(world):
+            acc, routed = torch.zeros(x.shape[1]), False
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                if e >= 0 and e // experts_per_rank == r:
+                    local = e - r * experts_per_rank
+                    out = (tokens[t] * ((local + 1) / 2)).to(dtype).float()
+                    acc = acc + weights[t, k].float() * out
+                    routed = True
+            if routed:
+                y[t] += acc.to(dtype).float()
+    return y.to(dtype)

@@ -1,0 +1,68 @@
+"""EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference)."""
+import pytest
+import torch
+
+from distributed import run
+from moe_ep import EPAllToAll, link_copies, random_topk
+
+GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
+
+
+def _config_errors(rank, world):
+    bad = [dict(topk=0), dict(topk=17), dict(num_experts=7), dict(max_tokens=0), dict(hidden=200),
+           dict(hidden=100, fp8_dispatch=False), dict(fp8_group=96), dict(dtype=torch.int32),
+           dict(backend="mpi"), dict(timeout_s=0)]
+    for change in bad:
+        with pytest.raises(ValueError):
+            EPAllToAll(**{**GOOD, **change, "backend": change.get("backend", "reference")})
+
+
+def _input_errors(rank, world):
+    ep = EPAllToAll(**GOOD, backend="reference")
+    x = torch.randn(4, 256).bfloat16()
+    ids, weights = random_topk(4, 8, 2)
+    bad_inputs = {
+        "dtype": (x.float(), ids, weights),
+        "hidden size": (x[:, :128].contiguous(), ids, weights),
+        "max_tokens": (torch.randn(9, 256).bfloat16(), *random_topk(9, 8, 2)),
+        r"\[-1, 8\)": (x, ids.masked_fill(ids == ids[0, 0], 8), weights),
+        r"\[-2": (x, ids.masked_fill(ids == ids[0, 0], -2), weights),
+        "shape": (x, ids[:, :1].contiguous(), weights),
+        "topk_weights has dtype": (x, ids, weights.long()),
+        "contiguous": (x.t().contiguous().t(), ids, weights),
+        "torch.Tensor": (x.tolist(), ids, weights),
+    }
+    for message, args in bad_inputs.items():
+        with pytest.raises(ValueError, match=message):
+            ep.dispatch(*args)
+    recv_x, recv_scales, _, handle = ep.dispatch(x, ids, weights)    # nothing was consumed by the failures
+    assert handle.call == 1
+    with pytest.raises(ValueError, match="shape"):
+        ep.combine(torch.zeros(4, 8, 256, dtype=torch.bfloat16), handle)
+    with pytest.raises(ValueError, match="handle"):
+        ep.combine(torch.zeros(4, 16, 256, dtype=torch.bfloat16), "handle")
+    ep.dispatch(x, ids, weights)
+    ep.dispatch(x, ids, weights)
+    with pytest.raises(ValueError, match="stale"):
+        ep.combine(torch.zeros(4, 16, 256, dtype=torch.bfloat16), handle)
+
+
+def test_bad_configurations_raise():
+    run(_config_errors, 2)
+
+
+def test_bad_inputs_raise():
+    run(_input_errors, 2)
+
+
+def test_link_copies_counts_ranks_once():
+    ids = torch.tensor([[0, 1, 4, 5], [2, 3, -1, -1], [6, 7, 0, -1]])    # 8 experts, world 2, rank 0
+    once_per_rank, once_per_expert = link_copies(ids, experts_per_rank=4, rank=0, world=2)
+    assert (once_per_rank, once_per_expert) == (2, 4)
+
+
+def test_random_topk_is_a_distinct_softmax_routing():
+    ids, weights = random_topk(64, 16, 4, generator=torch.Generator().manual_seed(0))
+    assert ids.shape == (64, 4) and ids.min() >= 0 and ids.max() < 16
+    assert all(len(set(row.tolist())) == 4 for row in ids)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(64))

@@ -1,0 +1,169 @@
+"""EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs.
+
+Dispatch is compared bit for bit (FP8 bytes, scales, counts, row sources); combine too,
+since both sum in fp32 in the same order (k order, then rank order) without fused
+multiply-adds.
+"""
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cases import expert_fn, make_inputs
+from distributed import run
+from moe_ep import CommTimeoutError, EPAllToAll, reference
+from moe_ep.routing import random_topk
+
+pytestmark = pytest.mark.gpu
+WORLD = min(torch.cuda.device_count(), 8)
+MAX_TOKENS = 160
+TOKENS = [0, 1, 7, 128, MAX_TOKENS]
+# hidden, topk, experts, fp8
+CONFIGS = [(2048, 1, 8, True), (2048, 2, 64, False), (2048, 8, 256, True), (4096, 1, 64, True),
+           (4096, 2, 256, True), (4096, 8, 8, False), (7168, 1, 256, False), (7168, 2, 8, True),
+           (7168, 8, 64, True), (7168, 8, 256, True)]
+
+
+def check_call(ep, x, ids, weights, straggle=None):
+    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal."""
+    rank, group = dist.get_rank(), ep.fp8_group
+    if straggle is not None and straggle == rank:
+        torch.cuda._sleep(2_000_000)
+    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+    r_x, r_scales, r_count, r_handle = reference.dispatch(x, ids, weights, num_experts=ep.num_experts,
+                                                          max_tokens=ep.max_tokens, fp8_group=group)
+    assert torch.equal(recv_count, r_count), (recv_count, r_count)
+    valid = torch.arange(recv_x.shape[1], device=x.device)[None, :] < r_count[:, None].long()
+    assert torch.equal(recv_x[valid].view(torch.uint8), r_x[valid].view(torch.uint8)), "dispatched rows differ"
+    assert torch.equal(handle.recv_src[valid], r_handle.recv_src[valid]), "row sources differ"
+    if group:
+        assert torch.equal(recv_scales[valid], r_scales[valid]), "scales differ"
+    if straggle is not None and straggle != rank:
+        torch.cuda._sleep(2_000_000)
+    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle)
+    y_ref = reference.combine(expert_fn(r_x, r_scales, group, x.dtype), r_handle)
+    assert torch.equal(y, y_ref), f"combine differs: max {(y.float() - y_ref.float()).abs().max()}"
+    return recv_count
+
+
+def _sweep(rank, world, configs):
+    rng = random.Random(1)
+    for hidden, topk, experts, fp8 in configs:
+        ep = EPAllToAll(MAX_TOKENS, hidden, experts, topk, fp8_dispatch=fp8)
+        seed = hidden + topk + experts
+        for i in range(len(TOKENS)):                       # token counts differ across ranks
+            tokens = [TOKENS[(i + r) % len(TOKENS)] for r in range(world)]
+            inputs = make_inputs(rank, tokens, hidden, experts, topk, seed + i, device="cuda")
+            check_call(ep, *inputs, straggle=rng.randrange(world + 1))
+        tokens = [MAX_TOKENS] * world
+        one = experts - 1                                 # every token to one expert, on the last rank
+        counts = check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, one_expert=one,
+                                             device="cuda"))
+        if rank == world - 1:
+            assert counts[-1] == world * MAX_TOKENS
+        check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, drop=0.3, device="cuda"))
+        ep.destroy()
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_dispatch_combine_sweep(part):
+    run(_sweep, WORLD, CONFIGS[part::2], gpu=True, timeout=600)
+
+
+def _back_to_back(rank, world):
+    ep = EPAllToAll(64, 2048, 64, 8, validate=False)
+    g = torch.Generator().manual_seed(rank)
+    rng = random.Random(5)
+    for call in range(1000):
+        tokens = int(torch.randint(0, 65, (1,), generator=g))
+        x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+        ids, weights = random_topk(tokens, 64, 8, device="cuda", generator=g)
+        if call % 7 == 0:
+            ids[torch.rand(ids.shape, device="cuda") < 0.2] = -1
+        check_call(ep, x, ids, weights, straggle=rng.randrange(world) if call % 10 == 0 else None)
+    ep.destroy()
+
+
+def test_thousand_back_to_back_calls():
+    run(_back_to_back, WORLD, gpu=True, timeout=600)
+
+
+def _hooks_graphs_and_errors(rank, world):
+    hidden, experts, topk = 2048, 64, 8
+    ep = EPAllToAll(32, hidden, experts, topk)
+    tokens = [32 - r for r in range(world)]
+    a = make_inputs(rank, tokens, hidden, experts, topk, seed=1, device="cuda")
+    b = make_inputs(rank, tokens, hidden, experts, topk, seed=2, device="cuda")
+
+    # Two dispatches in flight, compute in between, then a third is refused.
+    *out_a, hook_a = ep.dispatch(*a, return_recv_hook=True)
+    *out_b, hook_b = ep.dispatch(*b, return_recv_hook=True)
+    with pytest.raises(ValueError, match="in flight"):
+        ep.dispatch(*a)
+    with pytest.raises(ValueError, match="receive"):
+        ep.combine(torch.zeros_like(out_a[0], dtype=torch.bfloat16), out_a[3])
+    torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")
+    hook_a()
+    hook_b()
+    with pytest.raises(RuntimeError, match="already"):
+        hook_a()
+    results = []
+    for (x, ids, weights), (recv_x, recv_scales, _, handle) in ((a, out_a), (b, out_b)):
+        y, hook = ep.combine(expert_fn(recv_x, recv_scales, 128, x.dtype), handle, return_recv_hook=True)
+        results.append((y, hook, x, ids, weights))
+    for y, hook, x, ids, weights in results:
+        hook()
+        r_x, r_scales, _, r_handle = reference.dispatch(x, ids, weights, num_experts=experts, max_tokens=32,
+                                                        fp8_group=128)
+        assert torch.equal(y, reference.combine(expert_fn(r_x, r_scales, 128, x.dtype), r_handle))
+
+    # Bad input: ValueError before any launch, earlier results untouched, the next call fine.
+    recv_x, _, recv_count, _ = ep.dispatch(*a)
+    kept, calls = recv_x.clone(), dict(ep._calls)
+    bad_ids = a[1].clone()
+    bad_ids[0, 0] = experts
+    for bad in ((a[0], bad_ids, a[2]), (a[0].float(), a[1], a[2]), (a[0].cpu(), a[1], a[2])):
+        with pytest.raises(ValueError):
+            ep.dispatch(*bad)
+    torch.cuda.synchronize()
+    assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and ep._calls == calls
+    check_call(ep, *b)
+
+    # A CUDA graph of dispatch -> experts -> combine, replayed with fresh inputs.
+    static = [t.clone() for t in a]
+    check_call(ep, *static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_x, g_scales, g_count, g_handle = ep.dispatch(*static)
+        g_y = ep.combine(expert_fn(g_x, g_scales, 128, torch.bfloat16), g_handle)
+    for replay in range(10):
+        fresh = make_inputs(rank, tokens, hidden, experts, topk, seed=100 + replay, device="cuda")
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        r_x, r_scales, r_count, r_handle = reference.dispatch(*fresh, num_experts=experts, max_tokens=32,
+                                                              fp8_group=128)
+        assert torch.equal(g_count, r_count)
+        assert torch.equal(g_y, reference.combine(expert_fn(r_x, r_scales, 128, torch.bfloat16), r_handle))
+    check_call(ep, *b)                                    # eager again after the replays
+    ep.destroy()
+
+
+def test_hooks_graphs_and_bad_input():
+    run(_hooks_graphs_and_errors, WORLD, gpu=True, timeout=300)
+
+
+def _timeout(rank, world):
+    ep = EPAllToAll(8, 256, 8, 2, timeout_s=0.5)
+    if rank == 0:                                         # nobody else dispatches
+        ep.dispatch(*make_inputs(0, [8] * world, 256, 8, 2, seed=3, device="cuda"))
+        with pytest.raises(CommTimeoutError, match=r"rank 0: dispatch .* waiting for rank [1-9]"):
+            ep.check()
+        with pytest.raises(CommTimeoutError):
+            ep.dispatch(*make_inputs(0, [8] * world, 256, 8, 2, seed=3, device="cuda"))
+    ep.destroy()
+
+
+def test_timeout_raises():
+    run(_timeout, WORLD, gpu=True, timeout=120)

@@ -1,0 +1,65 @@
+"""The FP8 quantization kernel against the torch formula of moe_ep.reference.
+
+On CPU the kernel runs in the Triton interpreter, whose float32 -> float8 cast is not exact:
+there the scales and the values before the cast are compared bit for bit. On the GPU the
+FP8 bytes are compared too.
+"""
+import pytest
+import torch
+
+from moe_ep import quantize_fp8
+from moe_ep.reference import AMAX_FLOOR, FP8_MAX, dequantize_fp8
+from moe_ep.reference import quantize_fp8 as quantize_reference
+
+
+def _inputs(tokens, hidden, device):
+    g = torch.Generator().manual_seed(tokens * 31 + hidden)
+    x = torch.randn(tokens, hidden, generator=g) * torch.logspace(-3, 3, tokens)[:, None]
+    if tokens > 2:
+        x[1] = 0.0                                  # an all-zero token: the amax floor
+        x[2, :64] = 448.0                           # exactly representable extremes
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("tokens,hidden,group", [(1, 128, 128), (7, 512, 128), (5, 7168, 128), (3, 256, 64)])
+def test_scales_and_scaled_values_exact(tokens, hidden, group):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = _inputs(tokens, hidden, device)
+    values, scales = quantize_fp8(x, group, out_dtype=torch.float32)
+    xf = x.float().cpu().reshape(tokens, -1, group)
+    expected_scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    assert torch.equal(scales.cpu(), expected_scales)
+    assert torch.equal(values.cpu(), (xf / expected_scales[..., None]).reshape(tokens, hidden))
+    assert values.abs().max() <= FP8_MAX * (1 + 2**-22)    # one float32 ulp over: the cast still gives 448
+
+
+def test_zero_tokens():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, scales = quantize_fp8(torch.empty(0, 256, dtype=torch.bfloat16, device=device))
+    assert q.shape == (0, 256) and scales.shape == (0, 2)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="multiple"):
+        quantize_fp8(torch.zeros(2, 100), 128)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8(torch.zeros(2, 3, 128), 128)
+
+
+def test_reference_round_trip_error():
+    x = _inputs(6, 512, "cpu").float()
+    q, scales = quantize_reference(x)
+    assert torch.isfinite(q.float()).all() and q.float().abs().max() == FP8_MAX
+    error = (dequantize_fp8(q, scales) - x).abs()
+    bound = scales.repeat_interleave(128, dim=1) * 16      # half an e4m3 step at the top binade is 16
+    assert (error <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,hidden,group", [(1, 128, 128), (64, 7168, 128), (9, 2048, 64)])
+def test_fp8_bytes_exact_on_gpu(tokens, hidden, group):
+    x = _inputs(tokens, hidden, "cuda")
+    q, scales = quantize_fp8(x, group)
+    q_ref, scales_ref = quantize_reference(x, group)
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

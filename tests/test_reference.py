@@ -1,0 +1,48 @@
+"""The reference backend (torch.distributed all_to_all_single) against a token-by-token oracle, on gloo."""
+import pytest
+import torch
+
+from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
+from distributed import run
+from moe_ep import EPAllToAll
+
+# (tokens per rank, hidden, experts, topk, fp8 group or None, drop, one_expert)
+CASES = [
+    ((5, 0, 3, 7), 256, 8, 2, 128, 0.0, None),
+    ((4, 4, 4, 4), 64, 16, 4, None, 0.25, None),
+    ((1, 6, 0, 2), 128, 8, 1, 64, 0.0, 3),
+    ((6, 6, 6, 6), 128, 32, 8, 128, 0.1, 17),
+]
+
+
+def _round_trip(rank, world, case):
+    tokens, hidden, experts, topk, group, drop, one_expert = case
+    tokens = tokens[:world]
+    max_tokens = max(tokens) + 1
+    inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=7, drop=drop, one_expert=one_expert)
+              for r in range(world)]
+    ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=group is not None, fp8_group=group or 128,
+                    backend="reference")
+    x, ids, weights = inputs[rank]
+    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+
+    expected = expected_dispatch(rank, world, inputs, experts, max_tokens, group)
+    assert recv_count.tolist() == [len(rows) for rows in expected]
+    for e, rows in enumerate(expected):
+        for i, (payload, scales, source) in enumerate(rows):
+            assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (e, i)
+            if group:
+                assert torch.equal(recv_scales[e, i], scales), (e, i)
+            assert int(handle.recv_src[e, i]) == source
+        assert (handle.recv_src[e, len(rows):] == -1).all()
+    assert (recv_scales is None) == (group is None)
+
+    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y, expected_combine(rank, world, inputs, experts, group, x.dtype))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_round_trip(world, case):
+    run(_round_trip, world, CASES[case])
