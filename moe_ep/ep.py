@@ -70,12 +70,30 @@ class EPAllToAll:
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
+        self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
+                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate)
         self.group = group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        _check_config(max_tokens, hidden, num_experts, topk, self.world, dtype, fp8_dispatch, fp8_group,
+        if backend == "reference":
+            self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            return
+        runtime.init(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)          # the same grids on every rank
+        self._allocate(runtime.symmetric_zeros, programs=4 * int(sms.item()))
+        self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
+        runtime.barrier()
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
+                   backend, timeout_s, validate) -> None:
+        _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
                       backend, timeout_s)
+        self.world, self.rank = world, rank
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden, num_experts, topk
-        self.experts_per_rank = num_experts // self.world
+        self.experts_per_rank = num_experts // world
         self.dtype, self.backend, self.validate = dtype, backend, validate
         self.fp8_group = fp8_group if fp8_dispatch else None
         self.timeout_s = timeout_s
@@ -83,17 +101,10 @@ class EPAllToAll:
         self._pending = {"dispatch": 0, "combine": 0}
         self._symmetric: dict[str, torch.Tensor] = {}
         self._broken: str | None = None
-        if backend == "nvshmem":
-            self._allocate()
-        else:
-            self.device = torch.device("cuda", torch.cuda.current_device()) \
-                if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
-    # ------------------------------------------------------------------------------------ setup
-
-    def _allocate(self) -> None:
-        runtime.init(self.group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+    def _allocate(self, symmetric_zeros, programs: int) -> None:
+        """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on self.device.
+        `programs` bounds every grid (it must be the same on every rank)."""
         S, W, T, H, K, EL = _SLOTS, self.world, self.max_tokens, self.hidden, self.topk, self.experts_per_rank
         payload = torch.float8_e4m3fn if self.fp8_group else self.dtype
         groups = H // self.fp8_group if self.fp8_group else 1
@@ -105,8 +116,7 @@ class EPAllToAll:
             "c_data": ((S, W, T, H), self.dtype), "c_flag": ((S, W), torch.int64), "c_ack": ((S, W), torch.int64),
         }
         for name, (shape, dtype) in shapes.items():
-            self._symmetric[name] = runtime.symmetric_zeros(shape, dtype)
-        self._peers = {name: self._peer_table(buf) for name, buf in self._symmetric.items()}
+            self._symmetric[name] = symmetric_zeros(shape, dtype)
 
         rows = W * T
         zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
@@ -116,12 +126,8 @@ class EPAllToAll:
         self._recv_src = zeros((S, EL, rows), torch.int32)
         self._keep = {"ids": zeros((S, W, T, K), torch.int32), "w": zeros((S, W, T, K), torch.float32),
                       "row": zeros((S, W, T, K), torch.int32), "ntok": zeros((S, W), torch.int32)}
-        self._status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._status = torch.zeros(4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
-        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count],
-                           device=self.device)
-        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=self.group)   # same grids on every rank
-        programs = 4 * int(sms.item())
         self._block_groups = max(1, 2048 // (self.fp8_group or 128))
         dispatch_chunks = triton.cdiv(H, self._block_groups * (self.fp8_group or 128))
         self._block_h = 1024
@@ -133,15 +139,17 @@ class EPAllToAll:
             "combine_recv": min(T * combine_chunks, programs),
         }
         self._use_counts = {name: zeros((S, g), torch.int32) for name, g in self._grid.items()}
-        runtime.barrier()
 
-    def _peer_table(self, buf: torch.Tensor) -> torch.Tensor:
-        addresses = [runtime.peer_ptr(buf, r) for r in range(self.world)]
-        for r, address in enumerate(addresses):
-            if address is None:
-                raise ValueError(f"rank {r} is not reachable through NVLink from rank {self.rank}: the nvshmem "
-                                 "backend needs every rank in one NVLink domain (use backend='reference')")
-        return torch.tensor(addresses, dtype=torch.int64, device=self.device)
+    def _connect(self, peer_addresses) -> None:
+        """Peer tables: peer_addresses(name, buffer) -> every rank's address of it (None: unreachable)."""
+        self._peers = {}
+        for name, buf in self._symmetric.items():
+            addresses = peer_addresses(name, buf)
+            for r, address in enumerate(addresses):
+                if address is None:
+                    raise ValueError(f"rank {r} is not reachable through NVLink from rank {self.rank}: the "
+                                     "nvshmem backend needs every rank in one NVLink domain (use backend='reference')")
+            self._peers[name] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
 
     def destroy(self) -> None:
         """Free the symmetric buffers (collective). The object cannot be used afterwards."""

@@ -34,11 +34,12 @@ AMAX_FLOOR = 1e-4
 def quantize_fp8(x: torch.Tensor, group: int = 128):
     """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, H // group] float32); x ~= q * scale.
 
-    scale = max(amax over the group, 1e-4) / 448, q = fp8(x / scale), round to nearest even.
+    scale = max(amax over the group, 1e-4) * fp32(1 / 448), q = fp8(x / scale), round to nearest even.
+    (A product: torch on CUDA would turn a division by the constant into one anyway, on CPU not.)
     """
     tokens, hidden = x.shape
     xf = x.float().reshape(tokens, hidden // group, group)
-    scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) * (1.0 / FP8_MAX)
     q = (xf / scales[..., None]).to(torch.float8_e4m3fn)
     return q.reshape(tokens, hidden), scales
 

@@ -18,6 +18,9 @@ thread-scope put would be issued once per thread: only block and warp variants a
 ``wait_until_ge`` needs no NVSHMEM at all: it spins on an acquire load of a local flag
 with a deadline from the global timer and reports a timeout instead of hanging.
 """
+import os
+import time
+
 import triton
 import triton.language as tl
 from triton.language import core
@@ -254,6 +257,18 @@ def remote_ptr(ptr, pe):
 
 # ----------------------------------------------------------------------------- bounded waits
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def _now():
+        """Host nanoseconds: the interpreter runs kernels on the CPU, without the GPU's timer."""
+        return time.monotonic_ns()
+else:
+    @triton.jit
+    def _now():
+        """Nanoseconds of the GPU's global timer."""
+        return tl.extra.cuda.globaltimer()
+
+
 @triton.jit
 def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
     """Spin until the int64 at `flag` is >= `target`, for at most `timeout_ns` nanoseconds.
@@ -264,9 +279,9 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
     into the int32 `status` (host-readable pinned memory in practice) and returns False:
     the caller skips its work and the host raises.
     """
-    deadline = tl.extra.cuda.globaltimer() + timeout_ns
+    deadline = _now() + timeout_ns
     value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    while (value < target) & (tl.extra.cuda.globaltimer() < deadline):
+    while (value < target) & (_now() < deadline):
         value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     if value < target:
         tl.store(status + 1, peer)

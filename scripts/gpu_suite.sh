@@ -37,7 +37,7 @@ step() {   # step NAME SECONDS command...
 }
 for part in $parts; do
   case "$part" in
-    tests) step pytest 420 python3 -m pytest -q -rs tests ;;
+    tests) step pytest 480 python3 -m pytest -q -rs tests ;;
     tutorials) step tutorial01 120 bash launch.sh tutorials/01-ring-exchange.py
                step tutorial04 180 bash launch.sh tutorials/04-ep-all-to-all.py ;;
     bench) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;

@@ -3,11 +3,13 @@
     run(fn, world, *args)   # fn(rank, world, *args) in every process; gloo on CPU
     run(fn, world, *args, gpu=True)   # NCCL, one GPU per process; NVSHMEM is finalized at the end
 
-Any exception in any process fails the caller with that process's traceback; a process that
+Any exception in any process fails the caller with that process's traceback, and the other
+processes (likely waiting for the failed one) are killed a few seconds later; a process that
 does not finish within `timeout` seconds is killed and fails it too.
 """
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -49,13 +51,18 @@ def run(fn, world, *args, gpu=False, timeout=600):
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, gpu, args, errors)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    deadline, failures = time.monotonic() + timeout, []
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while not errors.empty():
+            failures.append(errors.get())
+        if failures:                                  # the others are probably waiting for the failed one
+            deadline = min(deadline, time.monotonic() + 10)
+        time.sleep(0.05)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
-    failures = []
+        p.join()
     while not errors.empty():
         failures.append(errors.get())
     if failures:

@@ -27,7 +27,7 @@ def test_scales_and_scaled_values_exact(tokens, hidden, group):
     x = _inputs(tokens, hidden, device)
     values, scales = quantize_fp8(x, group, out_dtype=torch.float32)
     xf = x.float().cpu().reshape(tokens, -1, group)
-    expected_scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    expected_scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) * (1.0 / FP8_MAX)
     assert torch.equal(scales.cpu(), expected_scales)
     assert torch.equal(values.cpu(), (xf / expected_scales[..., None]).reshape(tokens, hidden))
     assert values.abs().max() <= FP8_MAX * (1 + 2**-22)    # one float32 ulp over: the cast still gives 448

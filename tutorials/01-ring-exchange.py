@@ -22,7 +22,7 @@ The pieces, in the order they are used:
    can never be taken for a fresh one.
 
 Without GPUs (launch.sh then starts CPU processes on gloo) the same exchange runs on the
-reference path, ``torch.distributed.isend`` / ``irecv``.
+reference path, an ``all_gather`` from which each rank keeps its predecessor's block.
 """
 import torch
 import torch.distributed as dist
@@ -40,12 +40,10 @@ def ring_kernel(dst, src, sig, nbytes, peer, round_):
 
 
 def ring_reference(block: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """What the kernel computes, with torch.distributed point-to-point calls."""
-    received = torch.empty_like(block)
-    requests = [dist.isend(block, (rank + 1) % world), dist.irecv(received, (rank - 1) % world)]
-    for request in requests:
-        request.wait()
-    return received
+    """What the kernel computes, with a torch.distributed collective."""
+    blocks = [torch.empty_like(block) for _ in range(world)]
+    dist.all_gather(blocks, block)
+    return blocks[(rank - 1) % world]
 
 
 def main():

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import signal_add, wait_until_ge
-from .quant import fp8_quantize_groups
+from .quant import cast_rn, fp8_quantize_groups, to_fp8
 
 # Which wait timed out, as written into the status tensor.
 TAG_DISPATCH_CREDIT = tl.constexpr(1)
@@ -52,13 +52,14 @@ TAGS = {1: "dispatch (waiting for the receiver to free its buffer)",
         4: "combine (waiting for the expert rank's rows)"}
 
 # Run-time ints: no specialization on their values (an int equal to 1 would become a constexpr).
-_INTS = ["slot", "rank", "world", "max_tokens", "hidden", "topk", "experts_per_rank", "peer_programs", "timeout_ns"]
+# hidden and max_tokens stay specialized: their divisibility by 16 is what lets loads and stores vectorize.
+_INTS = ["slot", "rank", "world", "topk", "experts_per_rank", "peer_programs", "timeout_ns"]
 
 
 @triton.jit
 def _peer(table, r, dtype: tl.constexpr):
-    """Rank r's copy of a symmetric buffer, as a pointer to dtype."""
-    return tl.load(table + r).to(tl.pointer_type(dtype))
+    """Rank r's copy of a symmetric buffer, as a pointer to dtype (symmetric buffers are 16-byte aligned)."""
+    return tl.multiple_of(tl.load(table + r).to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -153,7 +154,7 @@ def dispatch_send_kernel(
                 x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
                 if FP8:
                     values, scales = fp8_quantize_groups(x.to(tl.float32))
-                    payload = values.to(tl.float8e4nv)
+                    payload = to_fp8(values)
                 else:
                     payload = x
                 for r in range(world):
@@ -272,11 +273,11 @@ def combine_send_kernel(
                     for k in tl.static_range(K_PAD):       # k order; the loads are all in flight at once
                         local_k = _pick(local.to(tl.int32), kk, k) > 0
                         dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
-                        y = tl.load(y_ptr + dst * hidden + cols, mask=mask & local_k, other=0.0)
+                        y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
                         acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
                     out = _peer(data_peers, src, y_ptr.dtype.element_ty)
                     row = (slot * world + rank).to(tl.int64) * max_tokens + t
-                    tl.store(out + row * hidden + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+                    tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
         _signal_all(flag_peers, slot, rank, world)
 
 
@@ -303,7 +304,7 @@ def combine_recv_kernel(
             for r in tl.static_range(WORLD_PAD):            # rank order
                 routed = tl.max((dest == r).to(tl.int32), 0) > 0
                 row = (slot * world + r).to(tl.int64) * max_tokens + t
-                part = tl.load(data_ptr + row * hidden + cols, mask=mask & routed, other=0.0)
+                part = tl.load(data_ptr + row * hidden + cols, mask=cols < tl.where(routed, hidden, 0), other=0.0)
                 acc = tl.where(routed, acc + part.to(tl.float32), acc)
-            tl.store(out_ptr + t.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
         _signal_all(ack_peers, slot, rank, world)

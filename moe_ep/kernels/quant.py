@@ -8,24 +8,76 @@ For every run of `group` consecutive columns of a token:
     x    ~= q * scale
 
 `moe_ep.reference.quantize_fp8` computes the same in plain torch; both divisions are
-correctly rounded here (``div_rn``) so the two agree bit for bit.
+correctly rounded here (``div_rn``) and the scale is a product, not a division by a constant
+(which torch on CUDA turns into a product with the reciprocal), so the two agree bit for bit.
+
+The Triton interpreter (TRITON_INTERPRET=1, CPU) casts float32 to float8 wrongly when the
+rounding carries into the exponent, and to bfloat16 by truncation; there ``to_fp8`` and
+``cast_rn`` round in float32 arithmetic first, so that the cast itself is exact and CPU tests
+compare bytes too. On the GPU both are plain casts.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """Round float32 values (|x| <= 448) to the nearest e4m3 value, ties to even, in float32."""
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # -6: subnormals
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)                   # 3 mantissa bits
+    scaled = x / step                                                                  # exact: a power of 2
+    low = tl.floor(scaled)
+    rest = scaled - low
+    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
+    return (low + ((rest > 0.5) | ((rest == 0.5) & odd)).to(tl.float32)) * step
+
+
+@triton.jit
+def round_to_bf16(x):
+    """Round float32 values to the nearest bfloat16 value, ties to even, in float32."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def to_fp8(x):
+        """float32 -> float8 e4m3, round to nearest even (exact under the interpreter too)."""
+        return round_to_e4m3(x).to(tl.float8e4nv)
+
+    @triton.jit
+    def cast_rn(x, dtype: tl.constexpr):
+        """float32 -> dtype, round to nearest even (exact under the interpreter too)."""
+        if dtype == tl.bfloat16:
+            x = round_to_bf16(x)
+        return x.to(dtype)
+else:
+    @triton.jit
+    def to_fp8(x):
+        """float32 -> float8 e4m3, round to nearest even."""
+        return x.to(tl.float8e4nv)
+
+    @triton.jit
+    def cast_rn(x, dtype: tl.constexpr):
+        """float32 -> dtype, round to nearest even."""
+        return x.to(dtype)
 
 
 @triton.jit
 def fp8_quantize_groups(x):
     """x: [N_GROUPS, GROUP] float32 -> (x / scale as float32 [N_GROUPS, GROUP], scale [N_GROUPS]).
 
-    Casting the first result to tl.float8e4nv gives the FP8 values.
+    ``to_fp8`` of the first result gives the FP8 values.
     """
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    scale = amax * INV_FP8_MAX
     return tl.math.div_rn(x, scale[:, None]), scale
 
 
@@ -44,6 +96,8 @@ def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, num_groups,
     hidden = num_groups * GROUP
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     values, scale = fp8_quantize_groups(x)
+    if q_ptr.dtype.element_ty == tl.float8e4nv:
+        values = to_fp8(values)
     tl.store(q_ptr + row * hidden + cols, values.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * num_groups + g, scale, mask=g < num_groups)
 

@@ -1,0 +1,71 @@
+"""The EP kernels, all ranks in one process, in the Triton interpreter (CPU).
+
+Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors; the
+peer tables hold every rank's addresses, which is all the kernels see of NVSHMEM. Sends run
+for every rank before any receive (receive hooks), so no wait ever spins. Everything is
+compared bit for bit, FP8 bytes included (moe_ep.kernels.quant.to_fp8 rounds exactly there).
+"""
+import os
+
+import pytest
+import torch
+
+from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
+from moe_ep import EPAllToAll
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="runs the kernels in the Triton interpreter, on CPU-only machines")
+
+
+def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group):
+    ranks = []
+    for rank in range(world):
+        ep = EPAllToAll.__new__(EPAllToAll)
+        ep._configure(world, rank, max_tokens, hidden, experts, topk, torch.bfloat16, fp8_group is not None,
+                      fp8_group or 128, "nvshmem", 5.0, True)
+        ep.group, ep.device = None, torch.device("cpu")
+        ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
+        ranks.append(ep)
+    for ep in ranks:
+        ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
+    return ranks
+
+
+# world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert
+CASES = [
+    (2, [(3, 5), (0, 4), (6, 6)], 256, 8, 2, 128, 0.0, None),
+    (2, [(4, 1), (2, 0), (5, 5)], 64, 4, 1, None, 0.0, None),
+    (3, [(2, 0, 3), (4, 4, 1), (0, 0, 2)], 128, 6, 4, 64, 0.25, None),
+    (3, [(3, 3, 3), (1, 2, 3), (3, 0, 1)], 200, 9, 3, None, 0.2, 4),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernels_in_the_interpreter(case):
+    world, calls, hidden, experts, topk, group, drop, one_expert = CASES[case]
+    max_tokens = max(max(c) for c in calls)
+    ranks = simulated_world(world, max_tokens, hidden, experts, topk, group)
+    for call, tokens in enumerate(calls):
+        inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
+                  for r in range(world)]
+        outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
+        for *_, hook in outs:
+            hook()
+        expert_outs = []
+        for r, (recv_x, recv_scales, recv_count, handle, _) in enumerate(outs):
+            expected = expected_dispatch(r, world, inputs, experts, max_tokens, group)
+            assert recv_count.tolist() == [len(rows) for rows in expected], (call, r)
+            for e, rows in enumerate(expected):
+                for i, (payload, scales, source) in enumerate(rows):
+                    assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (call, r, e, i)
+                    if group:
+                        assert torch.equal(recv_scales[e, i], scales)
+                    assert int(handle.recv_src[e, i]) == source, (call, r, e, i)
+            expert_outs.append(expert_fn(recv_x, recv_scales, group, torch.bfloat16))
+        combined = [ep.combine(expert_outs[r], outs[r][3], return_recv_hook=True) for r, ep in enumerate(ranks)]
+        for _, hook in combined:
+            hook()
+        for r, (y, _) in enumerate(combined):
+            assert torch.equal(y, expected_combine(r, world, inputs, experts, group, torch.bfloat16)), (call, r)
+    for ep in ranks:
+        assert ep._status.tolist() == [0, 0, 0, 0]
