@@ -126,7 +126,7 @@ class EPAllToAll:
         self._recv_src = zeros((S, EL, rows), torch.int32)
         self._keep = {"ids": zeros((S, W, T, K), torch.int32), "w": zeros((S, W, T, K), torch.float32),
                       "row": zeros((S, W, T, K), torch.int32), "ntok": zeros((S, W), torch.int32)}
-        self._status = torch.zeros(4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._status = torch.zeros(8, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
         self._block_groups = max(1, 2048 // (self.fp8_group or 128))
         dispatch_chunks = triton.cdiv(H, self._block_groups * (self.fp8_group or 128))
@@ -173,9 +173,10 @@ class EPAllToAll:
             raise CommTimeoutError(self._broken) if self._broken != "destroyed" else \
                 RuntimeError("this EPAllToAll was destroyed")
         if self.backend == "nvshmem" and int(self._status[0]):
-            peer, tag = int(self._status[1]), int(self._status[2])
+            _, peer, tag, seen, target = self._status[:5].tolist()
             self._broken = (f"rank {self.rank}: {kernels.TAGS.get(tag, 'wait')} timed out after "
-                            f"{self.timeout_s}s waiting for rank {peer}")
+                            f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected {target}; "
+                            f"call {self._calls})")
             raise CommTimeoutError(self._broken)
 
     def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:

@@ -26,11 +26,23 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "NvshmemUnavailable", "init_distributed", "init", "finalize", "is_initialized", "symmetric_empty",
+    "NvshmemUnavailable", "init_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
     "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier",
 ]
 
 HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
+DEFAULT_HEAP = 1 << 30                 # NVSHMEM's own default
+
+
+def heap_size() -> int:
+    """Bytes of the symmetric heap per GPU, from NVSHMEM_SYMMETRIC_SIZE (e.g. 4G, 512M, 1073741824)."""
+    text = os.environ.get(HEAP_VARIABLE, "").strip().upper()
+    if not text:
+        return DEFAULT_HEAP
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
 
 
 class NvshmemUnavailable(RuntimeError):
@@ -128,14 +140,17 @@ def symmetric_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     if not _state["initialized"]:
         raise RuntimeError("call moe_ep.runtime.init() before allocating symmetric memory")
     core, _ = _nvshmem()
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    used = sum(t.numel() * t.element_size() for t in _owned.values())
+    message = (f"symmetric allocation of {nbytes / 2**20:.1f} MiB with {used / 2**20:.1f} MiB in use does not fit "
+               f"the symmetric heap of {heap_size() / 2**20:.0f} MiB: raise {HEAP_VARIABLE} (launch.sh --heap) "
+               "before the job starts")
+    if used + nbytes > heap_size():        # checked here: NVSHMEM's own failure can take the process down
+        raise RuntimeError(message)
     try:
         t = core.tensor(tuple(shape), dtype=dtype)
     except Exception as e:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raise RuntimeError(
-            f"symmetric allocation of {nbytes / 2**20:.1f} MiB failed ({e}); the symmetric heap is "
-            f"{os.environ.get(HEAP_VARIABLE, 'the NVSHMEM default')}: raise {HEAP_VARIABLE} "
-            "(launch.sh --heap) before the job starts") from e
+        raise RuntimeError(f"{message} ({e})") from e
     _owned[t.data_ptr()] = t
     return t
 

@@ -36,7 +36,7 @@ CMP_LE = tl.constexpr(3)
 CMP_LT = tl.constexpr(4)
 CMP_GE = tl.constexpr(5)
 
-# Codes written into a status tensor by wait_until_ge: [code, peer, tag].
+# Codes written into a status tensor by wait_until_ge: [code, peer, tag, value seen, target].
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 
@@ -262,11 +262,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     def _now():
         """Host nanoseconds: the interpreter runs kernels on the CPU, without the GPU's timer."""
         return time.monotonic_ns()
+
+    @triton.jit
+    def _pause(x):
+        return x
 else:
     @triton.jit
     def _now():
         """Nanoseconds of the GPU's global timer."""
         return tl.extra.cuda.globaltimer()
+
+    @triton.jit
+    def _pause(x):
+        """Back off ~100 ns between polls, so spinning programs leave the memory system to the writers."""
+        return tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64,
+                                         is_pure=False, pack=1)
 
 
 @triton.jit
@@ -275,17 +285,19 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
 
     Loads are acquire at system scope, so what the writer stored before its release
     (the data this flag announces) is visible afterwards to the whole program. Returns
-    True when the target was reached. On timeout, writes [STATUS_TIMEOUT, peer, tag]
+    True when the target was reached. On timeout, writes [STATUS_TIMEOUT, peer, tag, value, target]
     into the int32 `status` (host-readable pinned memory in practice) and returns False:
     the caller skips its work and the host raises.
     """
     deadline = _now() + timeout_ns
     value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     while (value < target) & (_now() < deadline):
-        value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        value = tl.atomic_add(_pause(flag.to(tl.int64)).to(flag.dtype), 0, sem="acquire", scope="sys")
     if value < target:
         tl.store(status + 1, peer)
         tl.store(status + 2, tag)
+        tl.store(status + 3, value.to(tl.int32))
+        tl.store(status + 4, tl.cast(target, tl.int32))
         tl.store(status, STATUS_TIMEOUT)
     tl.debug_barrier()
     return value >= target

@@ -37,10 +37,10 @@ step() {   # step NAME SECONDS command...
 }
 for part in $parts; do
   case "$part" in
-    tests) step pytest 480 python3 -m pytest -q -rs tests ;;
-    tutorials) step tutorial01 120 bash launch.sh tutorials/01-ring-exchange.py
-               step tutorial04 180 bash launch.sh tutorials/04-ep-all-to-all.py ;;
-    bench) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
+    tests) step pytest 300 python3 -m pytest -q -rs tests ;;
+    tutorials) step tutorial01 60 bash launch.sh tutorials/01-ring-exchange.py
+               step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py ;;
+    bench) step bench_all_to_all 220 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
     *) echo "unknown part: $part"; failed=1 ;;
   esac
 done

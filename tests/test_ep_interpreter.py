@@ -68,4 +68,4 @@ def test_kernels_in_the_interpreter(case):
         for r, (y, _) in enumerate(combined):
             assert torch.equal(y, expected_combine(r, world, inputs, experts, group, torch.bfloat16)), (call, r)
     for ep in ranks:
-        assert ep._status.tolist() == [0, 0, 0, 0]
+        assert not ep._status.any()

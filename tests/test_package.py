@@ -50,3 +50,11 @@ def test_nvshmem_needs_a_gpu(gloo_world_of_one):
     assert not runtime.is_initialized()
     runtime.finalize()                           # a no-op when NVSHMEM never started
 
+
+
+def test_heap_size_parsing(monkeypatch):
+    for text, size in (("4G", 4 << 30), ("512m", 512 << 20), ("1073741824", 1 << 30), ("1.5G", 3 << 29)):
+        monkeypatch.setenv(runtime.HEAP_VARIABLE, text)
+        assert runtime.heap_size() == size
+    monkeypatch.delenv(runtime.HEAP_VARIABLE)
+    assert runtime.heap_size() == runtime.DEFAULT_HEAP

@@ -160,7 +160,7 @@ def test_every_wrapper():
 def _timeout_path(rank, world):
     runtime.init()
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-    status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+    status = torch.zeros(8, dtype=torch.int32, pin_memory=True)
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
     wait_kernel[(1,)](flag, 1, 10**6, status.data_ptr(), 0, 0, out)      # compile and warm up
     torch.cuda.synchronize()
@@ -170,12 +170,12 @@ def _timeout_path(rank, world):
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert 0.19 < elapsed < 2.0, elapsed
-    assert out.item() == 0 and status[:3].tolist() == [1, 3, 9]
+    assert out.item() == 0 and status[:5].tolist() == [1, 3, 9, 0, 1]
     status.zero_()
     flag.fill_(5)
     wait_kernel[(1,)](flag, 5, 200 * 10**6, status.data_ptr(), 3, 9, out)    # the job goes on
     torch.cuda.synchronize()
-    assert out.item() == 1 and status.tolist() == [0, 0, 0, 0]
+    assert out.item() == 1 and not status.any()
 
 
 def test_spin_wait_times_out():
