@@ -266,10 +266,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     @triton.jit
     def _pause(x):
         return x
-
-    @triton.jit
-    def _fence_sys(x):
-        return x
 else:
     @triton.jit
     def _now():
@@ -280,12 +276,6 @@ else:
     def _pause(x):
         """Back off ~100 ns between polls, so spinning programs leave the memory system to the writers."""
         return tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-    @triton.jit
-    def _fence_sys(x):
-        """fence.acq_rel.sys in every thread (what __threadfence_system() is), passing x through."""
-        return tl.inline_asm_elementwise("fence.acq_rel.sys;\n mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64,
                                          is_pure=False, pack=1)
 
 
@@ -304,14 +294,12 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
     while (value < target) & (_now() < deadline):
         value = tl.atomic_add(_pause(flag.to(tl.int64)).to(flag.dtype), 0, sem="acquire", scope="sys")
     if value < target:
-        if tl.load(status, volatile=True) == STATUS_OK:     # the first timeout is the one to report
-            tl.store(status + 1, peer)
-            tl.store(status + 2, tag)
-            tl.store(status + 3, value.to(tl.int32))
-            tl.store(status + 4, tl.cast(target, tl.int32))
-            tl.store(status, STATUS_TIMEOUT)
+        tl.store(status + 1, peer)
+        tl.store(status + 2, tag)
+        tl.store(status + 3, value.to(tl.int32))
+        tl.store(status + 4, tl.cast(target, tl.int32))
+        tl.store(status, STATUS_TIMEOUT)
     tl.debug_barrier()
-    value = _fence_sys(value)          # every thread's later loads come after what the writer released
     return value >= target
 
 
@@ -319,9 +307,7 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
 def signal_add(flag, value):
     """Release-add `value` to an int64 flag (local or through a peer pointer) once per program.
 
-    A system-scope fence in every thread, then the barrier, make every thread's earlier stores
-    (through peer pointers too) part of what the release publishes.
+    The barrier first makes every thread's earlier stores part of what the release publishes.
     """
-    value = _fence_sys(tl.cast(value, tl.int64))    # every thread's stores, to any GPU, come first
     tl.debug_barrier()
     tl.atomic_add(flag, value, sem="release", scope="sys")
