@@ -133,7 +133,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
     tokens = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("dispatch_graph_us", "moe_ep dispatch", "o-"), ("combine_graph_us", "moe_ep combine", "s-"),
+    for key, label, style in (("dispatch_graph_us", "moe_ep dispatch", "o-"),
+                              ("combine_graph_us", "moe_ep combine", "s-"),
                               ("nccl_dispatch_us", "NCCL dispatch", "o--"), ("nccl_combine_us", "NCCL combine", "s--")):
         ax.plot(tokens, [r[key] for r in rows], style, label=label)
     ax.set_xscale("log", base=2)
@@ -157,17 +158,22 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     if not torch.cuda.is_available():
         raise SystemExit("bench_all_to_all.py needs GPUs")
-    results = {"settings": [measure(128, args.iters, True), measure(4096, args.iters // 2, True)]}
+    meta = {"device": torch.cuda.get_device_name(), "world": world,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
+    results = {"settings": [], "sweep": []}
+    plan = [("settings", 128, args.iters, True), ("settings", 4096, args.iters // 2, True)]
     if args.sweep:
-        results["sweep"] = [measure(t, args.iters // 2, False) for t in (16, 64, 256, 1024, 4096)]
+        plan += [("sweep", t, args.iters // 2, False) for t in (16, 64, 256, 1024, 4096)]
+    os.makedirs(args.out, exist_ok=True)
+    for part, tokens, iters, full in plan:        # results are written as they come: a cut run keeps them
+        results[part].append(measure(tokens, iters, full))
+        if rank == 0:
+            print(json.dumps(results[part][-1]), flush=True)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump({**meta, **results}, f, indent=1)
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        meta = {"device": torch.cuda.get_device_name(), "world": world,
-                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "torch": torch.__version__, "triton": triton.__version__,
-                "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({**meta, **results}, f, indent=1)
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
                 f"Decode (128 tokens/rank) and prefill (4096), times in us (rank 0):\n\n{table(results['settings'])}\n")
         if args.sweep:

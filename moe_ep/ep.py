@@ -138,7 +138,8 @@ class EPAllToAll:
             "combine_send": min(rows * combine_chunks, programs),
             "combine_recv": min(T * combine_chunks, programs),
         }
-        self._use_counts = {name: zeros((S, g), torch.int32) for name, g in self._grid.items()}
+        # per program of each kernel: uses of slot 0, uses of slot 1, clock word (kernels/all_to_all.py)
+        self._state = {name: zeros((S + 1, g), torch.int64) for name, g in self._grid.items()}
 
     def _connect(self, peer_addresses) -> None:
         """Peer tables: peer_addresses(name, buffer) -> every rank's address of it (None: unreachable)."""
@@ -308,7 +309,7 @@ class EPAllToAll:
         if num_experts is not None:
             scalars.append(num_experts)
         scalars += [self._grid[peer], int(self.timeout_s * 1e9)]
-        kernel[(self._grid[name],)](*tensors, self._use_counts[name], self._status.data_ptr(),
+        kernel[(self._grid[name],)](*tensors, self._state[name], self._status.data_ptr(),
                                     *counts, *scalars, num_warps=4, **meta)
 
 

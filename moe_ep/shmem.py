@@ -280,7 +280,7 @@ else:
 
 
 @triton.jit
-def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
+def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
     """Spin until the int64 at `flag` is >= `target`, for at most `timeout_ns` nanoseconds.
 
     Loads are acquire at system scope, so what the writer stored before its release
@@ -288,11 +288,19 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag):
     True when the target was reached. On timeout, writes [STATUS_TIMEOUT, peer, tag, value, target]
     into the int32 `status` (host-readable pinned memory in practice) and returns False:
     the caller skips its work and the host raises.
+
+    `clock` is an int64 word private to the program. One thread reads the timer and shares
+    it through that word, so that all warps leave the loop in the same iteration: timers
+    read by each warp could disagree at the deadline and make the warps miss each other's
+    barriers.
     """
-    deadline = _now() + timeout_ns
+    tl.atomic_xchg(clock, _now(), sem="relaxed", scope="cta")
+    now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+    deadline = now + timeout_ns
     value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    while (value < target) & (_now() < deadline):
+    while (value < target) & (now < deadline):
         value = tl.atomic_add(_pause(flag.to(tl.int64)).to(flag.dtype), 0, sem="acquire", scope="sys")
+        now = tl.atomic_xchg(clock, _now(), sem="relaxed", scope="cta")
     if value < target:
         tl.store(status + 1, peer)
         tl.store(status + 2, tag)

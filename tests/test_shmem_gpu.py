@@ -82,8 +82,9 @@ def barrier_kernel(buf, out, sig, value, peer, rank, prev):
 
 
 @triton.jit(do_not_specialize=["target", "timeout_ns", "peer", "tag"])
-def wait_kernel(flag, target, timeout_ns, status_addr, peer, tag, out):
-    ok = shmem.wait_until_ge(flag, target, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), peer, tag)
+def wait_kernel(flag, target, timeout_ns, status_addr, peer, tag, out, clock):
+    ok = shmem.wait_until_ge(flag, target, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), peer, tag,
+                             clock + tl.program_id(0))
     tl.store(out, ok.to(tl.int32))
 
 
@@ -162,18 +163,19 @@ def _timeout_path(rank, world):
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
     status = torch.zeros(8, dtype=torch.int32, pin_memory=True)
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
-    wait_kernel[(1,)](flag, 1, 10**6, status.data_ptr(), 0, 0, out)      # compile and warm up
+    clock = torch.zeros(1, dtype=torch.int64, device="cuda")
+    wait_kernel[(1,)](flag, 1, 10**6, status.data_ptr(), 0, 0, out, clock)      # compile and warm up
     torch.cuda.synchronize()
     status.zero_()
     start = time.perf_counter()
-    wait_kernel[(1,)](flag, 1, 200 * 10**6, status.data_ptr(), 3, 9, out)   # nobody ever signals
+    wait_kernel[(1,)](flag, 1, 200 * 10**6, status.data_ptr(), 3, 9, out, clock)   # nobody ever signals
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert 0.19 < elapsed < 2.0, elapsed
     assert out.item() == 0 and status[:5].tolist() == [1, 3, 9, 0, 1]
     status.zero_()
     flag.fill_(5)
-    wait_kernel[(1,)](flag, 5, 200 * 10**6, status.data_ptr(), 3, 9, out)    # the job goes on
+    wait_kernel[(1,)](flag, 5, 200 * 10**6, status.data_ptr(), 3, 9, out, clock)    # the job goes on
     torch.cuda.synchronize()
     assert out.item() == 1 and not status.any()
 

@@ -30,6 +30,8 @@ combine_recv    (on every source rank)
 
 Signals never carry a flag value that could be stale: each program keeps its own count of
 how often it has used each buffer slot, and a counter must reach uses * (sender grid).
+Those counts live in a per-kernel int64 `state` array [3, grid]: rows 0 and 1 count the uses
+of slots 0 and 1, row 2 is the program's clock word for the bounded waits.
 Before writing into a slot a sender waits for the receivers' acks of that slot's previous
 use, so a straggler is never overwritten. Every wait is bounded (``wait_until_ge``).
 
@@ -63,20 +65,26 @@ def _peer(table, r, dtype: tl.constexpr):
 
 
 @triton.jit
-def _next_use(calls, slot):
-    """This program's use count of `slot`, incremented (only this program touches its entry)."""
-    entry = calls + slot * tl.num_programs(0) + tl.program_id(0)
+def _next_use(state, slot):
+    """This program's use count of `slot`, incremented (only this program touches its entry).
+
+    Every thread loads the entry; the barrier keeps the store (by one thread) behind all the
+    loads, or a late warp would read the new count and wait for a different target.
+    """
+    entry = state + slot * tl.num_programs(0) + tl.program_id(0)
     use = tl.load(entry) + 1
+    tl.debug_barrier()
     tl.store(entry, use)
     return use
 
 
 @triton.jit
-def _wait_all(flags, slot, world, target, timeout_ns, status, tag):
+def _wait_all(flags, slot, world, target, timeout_ns, status, tag, state):
     """Wait until flags[slot, r] >= target for every rank r; False if any wait timed out."""
+    clock = state + 2 * tl.num_programs(0) + tl.program_id(0)
     ok = target >= 0
     for r in range(world):
-        ok = ok & wait_until_ge(flags + slot * world + r, target, timeout_ns, status, r, tag)
+        ok = ok & wait_until_ge(flags + slot * world + r, target, timeout_ns, status, r, tag, clock)
     return ok
 
 
@@ -97,7 +105,7 @@ def _pick(values, index, k):
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     data_peers, scale_peers, ids_peers, w_peers, pos_peers, count_peers, ntok_peers, flag_peers,
-    ack_ptr, calls_ptr, status_addr,
+    ack_ptr, state_ptr, status_addr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts,
     peer_programs, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
@@ -107,8 +115,9 @@ def dispatch_send_kernel(
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
     ntok [] i32; flags [2, world] i64. `peer_programs` is the receiver's grid size."""
     status = status_addr.to(tl.pointer_type(tl.int32))
-    use = _next_use(calls_ptr, slot)
-    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_DISPATCH_CREDIT)
+    use = _next_use(state_ptr, slot)
+    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_DISPATCH_CREDIT,
+                   state_ptr)
     pid = tl.program_id(0)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
@@ -173,14 +182,14 @@ def dispatch_recv_kernel(
     ack_peers,
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     keep_ids_ptr, keep_w_ptr, keep_row_ptr, keep_ntok_ptr,      # [world, T_max, K] x3, [world]
-    calls_ptr, status_addr,
+    state_ptr, status_addr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert; `peer_programs` is the sender's grid size."""
     status = status_addr.to(tl.pointer_type(tl.int32))
-    use = _next_use(calls_ptr, slot)
-    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_DISPATCH_ARRIVAL)
+    use = _next_use(state_ptr, slot)
+    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_DISPATCH_ARRIVAL, state_ptr)
     pid = tl.program_id(0)
     rows_per_expert = world * max_tokens
     stage = slot * world                                   # first source row block of this slot
@@ -243,14 +252,15 @@ def dispatch_recv_kernel(
 def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
     keep_ids_ptr, keep_w_ptr, keep_row_ptr, keep_ntok_ptr,   # from the dispatch slot of the handle
-    data_peers, flag_peers, ack_ptr, calls_ptr, status_addr,
+    data_peers, flag_peers, ack_ptr, state_ptr, status_addr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
 ):
     """Combine staging on each source rank: data [2, world, T_max, H] (output dtype), flags [2, world]."""
     status = status_addr.to(tl.pointer_type(tl.int32))
-    use = _next_use(calls_ptr, slot)
-    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_COMBINE_CREDIT)
+    use = _next_use(state_ptr, slot)
+    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_COMBINE_CREDIT,
+                   state_ptr)
     if ok:
         rows_per_expert = world * max_tokens
         chunks = tl.cdiv(hidden, BLOCK_H)
@@ -284,13 +294,13 @@ def combine_send_kernel(
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
 def combine_recv_kernel(
     out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
-    data_ptr, flag_ptr, ack_peers, calls_ptr, status_addr,
+    data_ptr, flag_ptr, ack_peers, state_ptr, status_addr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
 ):
     status = status_addr.to(tl.pointer_type(tl.int32))
-    use = _next_use(calls_ptr, slot)
-    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_COMBINE_ARRIVAL)
+    use = _next_use(state_ptr, slot)
+    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_COMBINE_ARRIVAL, state_ptr)
     if ok:
         chunks = tl.cdiv(hidden, BLOCK_H)
         kk = tl.arange(0, K_PAD)
