@@ -16,30 +16,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-
 import torch
 import torch.distributed as dist
 import triton
 
 from moe_ep import EPAllToAll, link_copies, random_topk, runtime
+from moe_ep.timing import median_us
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
-
-
-def event_median(fn, iters: int, warmup: int) -> float:
-    """Median microseconds of fn() timed alone with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def graph_median(fn, replays: int, per_graph: int = 10) -> float:
@@ -53,7 +37,7 @@ def graph_median(fn, replays: int, per_graph: int = 10) -> float:
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
-    return event_median(graph.replay, replays, 3) / per_graph
+    return median_us(graph.replay, replays, 3) / per_graph
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
@@ -88,14 +72,14 @@ def measure(tokens: int, iters: int, full: bool) -> dict:
     *_, handle = ours.dispatch(x, ids, weights)                    # the graph's dispatches moved the slots on
     out["combine_graph_us"] = graph_median(combine, iters // 4)
     dist.barrier()
-    out["nccl_dispatch_us"] = event_median(lambda: nccl.dispatch(x, ids, weights), iters // 2, 5)
+    out["nccl_dispatch_us"] = median_us(lambda: nccl.dispatch(x, ids, weights), iters // 2, 5)
     *_, ref_handle = nccl.dispatch(x, ids, weights)
-    out["nccl_combine_us"] = event_median(lambda: nccl.combine(expert_out, ref_handle), iters // 2, 5)
+    out["nccl_combine_us"] = median_us(lambda: nccl.combine(expert_out, ref_handle), iters // 2, 5)
     if full:
         dist.barrier()
-        out["dispatch_eager_us"] = event_median(dispatch, iters, 20)
+        out["dispatch_eager_us"] = median_us(dispatch, iters, 20)
         *_, handle = ours.dispatch(x, ids, weights)
-        out["combine_eager_us"] = event_median(combine, iters, 20)
+        out["combine_eager_us"] = median_us(combine, iters, 20)
         dist.barrier()
         out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_send", "dispatch_recv"])
         *_, handle = ours.dispatch(x, ids, weights)

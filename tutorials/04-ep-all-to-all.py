@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.reference import dequantize_fp8
+from moe_ep.timing import median_us
 
 
 def toy_experts(recv_x, recv_scales, recv_count):
@@ -33,21 +34,6 @@ def toy_experts(recv_x, recv_scales, recv_count):
     rows = dequantize_fp8(recv_x, recv_scales) if recv_scales is not None else recv_x.float()
     scale = torch.arange(1, rows.shape[0] + 1, device=rows.device, dtype=torch.float32)
     return (rows * scale[:, None, None]).bfloat16()
-
-
-def timed(fn, iters=50):
-    """Median microseconds of fn() with CUDA events (after a warm-up)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -75,9 +61,9 @@ def main():
 
     if device.type == "cuda":
         out = toy_experts(recv_x, recv_scales, recv_count)
-        dispatch_us = timed(lambda: ep.dispatch(x, topk_ids, topk_weights))
+        dispatch_us = median_us(lambda: ep.dispatch(x, topk_ids, topk_weights))
         *_, handle = ep.dispatch(x, topk_ids, topk_weights)
-        combine_us = timed(lambda: ep.combine(out, handle))
+        combine_us = median_us(lambda: ep.combine(out, handle))
         if rank == 0:
             print(f"dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
                   f"(eager, CUDA events; benchmarks/bench_all_to_all.py has the full comparison)")
