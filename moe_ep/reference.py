@@ -169,3 +169,17 @@ def combine(expert_out: torch.Tensor, handle: ReferenceHandle, group=None) -> to
         sel = h.send_rank == r
         out[h.send_token[sel]] += back[sel].float()
     return out.to(h.dtype)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
+                 group: int = 128) -> torch.Tensor:
+    """out[e, :counts[e]] = a[e, :counts[e]] @ w[e].T in fp32, cast to w's dtype; other rows are zero.
+
+    a [E, R, K] (FP8 with scales [E, R, K // group], or a float dtype), w [E, N, K].
+    """
+    out = torch.zeros((a.shape[0], a.shape[1], w.shape[1]), dtype=w.dtype, device=a.device)
+    for e, count in enumerate(counts.tolist()):
+        rows = a[e, :count]
+        rows = dequantize_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
+        out[e, :count] = (rows @ w[e].float().t()).to(w.dtype)
+    return out

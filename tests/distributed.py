@@ -42,6 +42,7 @@ def _worker(fn, rank, world, port, gpu, args, errors):
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
+    os._exit(0)      # done: skip interpreter teardown, where library threads have been seen to abort
 
 
 def run(fn, world, *args, gpu=False, timeout=600):
