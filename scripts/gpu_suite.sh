@@ -39,8 +39,10 @@ for part in $parts; do
   case "$part" in
     tests) step pytest 300 python3 -m pytest -q -rs tests ;;
     tutorials) step tutorial01 60 bash launch.sh tutorials/01-ring-exchange.py
-               step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py ;;
-    bench) step bench_all_to_all 220 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
+               step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py
+               step tutorial05 120 bash launch.sh tutorials/05-swap-moe-into-a-model.py ;;
+    bench) step bench_all_to_all 240 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep
+           step bench_moe_layer 180 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     *) echo "unknown part: $part"; failed=1 ;;
   esac
 done

@@ -76,3 +76,32 @@ def _bad_options(rank, world):
 
 def test_bad_options_raise():
     run(_bad_options, 2)
+
+
+def _gpu_models(rank, world, kind):
+    model = tiny_model(kind).to("cuda", torch.bfloat16)
+    tokens = torch.randint(0, 96, (2, 7 + rank), generator=torch.Generator().manual_seed(rank)).cuda()
+    with torch.no_grad():
+        expected = model(tokens).logits.float()
+        for fp8, tolerance in ((False, 3e-2), (True, 1e-1)):      # relative L2 error of the logits
+            swapped = swap_moe(copy.deepcopy(model), fp8_dispatch=fp8, max_tokens=64)
+            logits = swapped(tokens).logits.float()
+            error = ((logits - expected).norm() / expected.norm()).item()
+            assert error < tolerance, f"fp8={fp8}: relative error {error:.3g}"
+
+        layer = next(m for m in swapped.modules() if isinstance(m, EPMoE))     # a decode step in a CUDA graph
+        x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+        layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+        for step in range(5):
+            x.copy_(torch.randn(8, 64, device="cuda", dtype=torch.bfloat16))
+            graph.replay()
+            assert torch.equal(y, layer(x)), f"graph replay {step} differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_swapped_model_on_gpus(kind):
+    run(_gpu_models, min(torch.cuda.device_count(), 8), kind, gpu=True, timeout=300)
