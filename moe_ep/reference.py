@@ -19,6 +19,10 @@ combine(expert_out [E_loc, W * T_max, H], handle) -> y [T, H]:
       in k order, casts to x's dtype and returns that one row per (token, rank);
     * the source adds the rows of the ranks the token went to, in rank order, in fp32,
       and casts to x's dtype. A token with every slot dropped gets zeros.
+
+Tensor-parallel contract (``moe_ep.layers.tp_linear``), tp ranks, rows split in rank order:
+    ag_gemm(a_shard [M/tp, K], w [N/tp, K]) = all_gather(a_shard) @ w.T          -> [M, N/tp]
+    gemm_rs(a [M, K/tp], w [N, K/tp])       = reduce_scatter(a @ w.T) (fp32 sum) -> [M/tp, N]
 """
 from __future__ import annotations
 
@@ -183,3 +187,20 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
         rows = dequantize_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
         out[e, :count] = (rows @ w[e].float().t()).to(w.dtype)
     return out
+
+
+def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
+    """all_gather of the row shards [M/tp, K] -> [M, K], then @ w.T with w [N/tp, K] -> [M, N/tp]."""
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world * a_shard.shape[0], a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+    dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
+    return gathered @ w.t()
+
+
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
+    """(a [M, K/tp] @ w.T with w [N, K/tp]) summed over ranks in fp32, rows scattered -> [M/tp, N]."""
+    world = dist.get_world_size(group)
+    partial = (a @ w.t()).float()
+    out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=torch.float32, device=a.device)
+    dist.reduce_scatter_tensor(out, partial, group=group)
+    return out.to(a.dtype)

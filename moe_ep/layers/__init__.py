@@ -1,4 +1,5 @@
-"""Drop-in nn.Modules built on the kernels: the expert-parallel MoE block."""
+"""Drop-in nn.Modules: the expert-parallel MoE block and tensor-parallel linears."""
 from .moe import EPMoE, swap_moe
+from .tp_linear import TPMLP, ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["EPMoE", "swap_moe"]
+__all__ = ["EPMoE", "swap_moe", "ColumnParallelLinear", "RowParallelLinear", "TPMLP"]
