@@ -27,42 +27,45 @@ def _split(total: int, world: int, what: str) -> int:
 
 
 class _TPLinear(nn.Module):
-    def __init__(self, weight_shape, bias_features, group, bias: bool, backend: str, dtype, device):
+    """An nn.Linear's weight [out, in] sharded along SPLIT_DIM over the group; the bias is [weight rows]."""
+
+    SPLIT_DIM = 0
+
+    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
+                 backend: str = "reference", dtype=None, device=None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.group, self.backend = group, backend
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(bias_features, dtype=dtype, device=device)) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+        shape = [out_features, in_features]
+        name = ("out_features", "in_features")[self.SPLIT_DIM]
+        shape[self.SPLIT_DIM] = _split(shape[self.SPLIT_DIM], self.world, name)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)) if bias else None
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.weight.shape[1]}")
         return x.reshape(-1, x.shape[-1])
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, backend: str = "reference"):
+        """This rank's shard of linear.weight (and of its bias, when the bias is sharded too)."""
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, backend,
+                    linear.weight.dtype, linear.weight.device)
+        size = layer.weight.shape[cls.SPLIT_DIM]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.narrow(cls.SPLIT_DIM, layer.rank * size, size))
+            if linear.bias is not None:
+                bias = linear.bias
+                layer.bias.copy_(bias.narrow(0, layer.rank * size, size) if cls.SPLIT_DIM == 0 else bias)
+        return layer
+
 
 class ColumnParallelLinear(_TPLinear):
     """y = all_gather(x_shard) @ W_r.T (+ b_r): x_shard [..., in] holds this rank's rows, y [M, out/tp]."""
-
-    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
-                 backend: str = "reference", dtype=None, device=None):
-        world = dist.get_world_size(group)
-        local = _split(out_features, world, "out_features")
-        super().__init__((local, in_features), local, group, bias, backend, dtype, device)
-        self.in_features, self.out_features = in_features, out_features
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, backend: str = "reference") -> "ColumnParallelLinear":
-        """This rank's rows of linear.weight (and of its bias)."""
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, backend,
-                    linear.weight.dtype, linear.weight.device)
-        rows = slice(layer.rank * layer.weight.shape[0], (layer.rank + 1) * layer.weight.shape[0])
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M/tp rows, in] (leading dims flattened) -> [M, out/tp]."""
@@ -71,26 +74,11 @@ class ColumnParallelLinear(_TPLinear):
 
 
 class RowParallelLinear(_TPLinear):
-    """y_shard = reduce_scatter(x @ W_r.T) (+ b): x [M, in/tp], y_shard [M/tp, out] (this rank's rows)."""
+    """y_shard = reduce_scatter(x @ W_r.T) (+ b): x [M, in/tp], y_shard [M/tp, out] (this rank's rows).
 
-    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
-                 backend: str = "reference", dtype=None, device=None):
-        world = dist.get_world_size(group)
-        local = _split(in_features, world, "in_features")
-        super().__init__((out_features, local), out_features, group, bias, backend, dtype, device)
-        self.in_features, self.out_features = in_features, out_features
+    The weight is split by columns; the bias is whole and added once, after the reduction."""
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, backend: str = "reference") -> "RowParallelLinear":
-        """This rank's columns of linear.weight; the bias is added once, after the reduction."""
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, backend,
-                    linear.weight.dtype, linear.weight.device)
-        cols = slice(layer.rank * layer.weight.shape[1], (layer.rank + 1) * layer.weight.shape[1])
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    SPLIT_DIM = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in/tp] -> [M/tp, out]."""
