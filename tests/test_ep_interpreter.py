@@ -69,3 +69,32 @@ def test_kernels_in_the_interpreter(case):
             assert torch.equal(y, expected_combine(r, world, inputs, experts, group, torch.bfloat16)), (call, r)
     for ep in ranks:
         assert not ep._status.any()
+
+
+def test_back_to_back_dispatches_and_two_in_flight():
+    """Dispatches without combines between them (credits alone keep the slots apart), then two in flight."""
+    world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
+    ranks = simulated_world(world, tokens, hidden, experts, topk, None)
+    for call in range(6):
+        inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=call) for r in range(world)]
+        outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
+        for *_, hook in outs:
+            hook()
+        for r, (recv_x, _, recv_count, _, _) in enumerate(outs):
+            expected = expected_dispatch(r, world, inputs, experts, tokens, None)
+            assert recv_count.tolist() == [len(rows) for rows in expected], call
+    first = [ep.dispatch(*make_inputs(r, [tokens] * world, hidden, experts, topk, seed=10), return_recv_hook=True)
+             for r, ep in enumerate(ranks)]
+    second = [ep.dispatch(*make_inputs(r, [tokens] * world, hidden, experts, topk, seed=11), return_recv_hook=True)
+              for r, ep in enumerate(ranks)]
+    for *_, hook in first + second:
+        hook()
+    for outs, seed in ((first, 10), (second, 11)):
+        inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=seed) for r in range(world)]
+        for r, (recv_x, _, recv_count, _, _) in enumerate(outs):
+            expected = expected_dispatch(r, world, inputs, experts, tokens, None)
+            for e, rows in enumerate(expected):
+                for i, (payload, _, _) in enumerate(rows):
+                    assert torch.equal(recv_x[e, i], payload), (seed, r, e, i)
+    for ep in ranks:
+        assert not ep._status.any()
