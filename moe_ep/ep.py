@@ -170,9 +170,10 @@ class EPAllToAll:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if self._broken == "destroyed":
+            raise RuntimeError("this EPAllToAll was destroyed")
         if self._broken:
-            raise CommTimeoutError(self._broken) if self._broken != "destroyed" else \
-                RuntimeError("this EPAllToAll was destroyed")
+            raise CommTimeoutError(self._broken)
         if self.backend == "nvshmem" and int(self._status[0]):
             _, peer, tag, seen, target = self._status[:5].tolist()
             self._broken = (f"rank {self.rank}: {kernels.TAGS.get(tag, 'wait')} timed out after "
