@@ -1,1 +1,2 @@
-"""Triton kernels, one concern per module: quant (FP8 per-group quantization), all_to_all (EP dispatch/combine)."""
+"""Triton kernels, one concern per module: quant (FP8 per-group quantization), all_to_all (EP
+dispatch/combine), grouped_gemm (masked grouped GEMM over dispatch's expert-major rows)."""
