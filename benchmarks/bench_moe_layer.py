@@ -31,10 +31,10 @@ def layer_times(backend: str, tokens: int, iters: int) -> dict:
     ep = layer._ep()
     with torch.no_grad():
         recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
-        out = layer.experts(recv_x, recv_scales, recv_count)
+        out = layer.run_experts(recv_x, recv_scales, recv_count)
         times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
         recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
-        times["experts_us"] = median_us(lambda: layer.experts(recv_x, recv_scales, recv_count), iters, 3)
+        times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count), iters, 3)
         times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
         times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
     if backend == "nvshmem":

@@ -126,7 +126,7 @@ class EPAllToAll:
         self._recv_src = zeros((S, EL, rows), torch.int32)
         self._keep = {"ids": zeros((S, W, T, K), torch.int32), "w": zeros((S, W, T, K), torch.float32),
                       "row": zeros((S, W, T, K), torch.int32), "ntok": zeros((S, W), torch.int32)}
-        self._status = torch.zeros(8, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._status = torch.zeros(5, dtype=torch.int32, pin_memory=self.device.type == "cuda")   # shmem.STATUS_*
 
         self._block_groups = max(1, 2048 // (self.fp8_group or 128))
         dispatch_chunks = triton.cdiv(H, self._block_groups * (self.fp8_group or 128))
@@ -175,7 +175,7 @@ class EPAllToAll:
         if self._broken:
             raise CommTimeoutError(self._broken)
         if self.backend == "nvshmem" and int(self._status[0]):
-            _, peer, tag, seen, target = self._status[:5].tolist()
+            _, peer, tag, seen, target = self._status.tolist()
             self._broken = (f"rank {self.rank}: {kernels.TAGS.get(tag, 'wait')} timed out after "
                             f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected {target}; "
                             f"call {self._calls})")

@@ -40,6 +40,9 @@ CMP_GE = tl.constexpr(5)
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 
+# Kernels run in the Triton interpreter (CPU): helpers then avoid what only a GPU has.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
 _i32, _i64, _u64 = core.dtype("int32"), core.dtype("int64"), core.dtype("uint64")
 _PTR = _i64
 
@@ -257,7 +260,7 @@ def remote_ptr(ptr, pe):
 
 # ----------------------------------------------------------------------------- bounded waits
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRETING:
     @triton.jit
     def _now():
         """Host nanoseconds: the interpreter runs kernels on the CPU, without the GPU's timer."""

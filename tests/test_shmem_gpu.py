@@ -161,7 +161,7 @@ def test_every_wrapper():
 def _timeout_path(rank, world):
     runtime.init()
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-    status = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+    status = torch.zeros(5, dtype=torch.int32, pin_memory=True)
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
     clock = torch.zeros(1, dtype=torch.int64, device="cuda")
     wait_kernel[(1,)](flag, 1, 10**6, status.data_ptr(), 0, 0, out, clock)      # compile and warm up

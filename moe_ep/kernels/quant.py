@@ -16,11 +16,11 @@ rounding carries into the exponent, and to bfloat16 by truncation; there ``to_fp
 ``cast_rn`` round in float32 arithmetic first, so that the cast itself is exact and CPU tests
 compare bytes too. On the GPU both are plain casts.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ..shmem import INTERPRETING
 
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
@@ -46,7 +46,7 @@ def round_to_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRETING:
     @triton.jit
     def to_fp8(x):
         """float32 -> float8 e4m3, round to nearest even (exact under the interpreter too)."""

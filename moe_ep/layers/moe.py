@@ -102,12 +102,12 @@ class EPMoE(nn.Module):
             _, topk_weights, topk_ids = self.router(tokens)
         ep = self._ep()
         recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids.contiguous(), topk_weights.contiguous())
-        y = ep.combine(self.experts(recv_x, recv_scales, recv_count), handle)
+        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return y.reshape(x.shape)
 
-    def experts(self, recv_x, recv_scales, recv_count) -> torch.Tensor:
+    def run_experts(self, recv_x, recv_scales, recv_count) -> torch.Tensor:
         """The local gated MLPs on dispatch's layout [E_loc, R, H] -> [E_loc, R, H]; rows past the counts
         hold garbage that combine never reads."""
         gemm = grouped_gemm if recv_x.is_cuda else reference.grouped_gemm
@@ -146,8 +146,7 @@ def _shared_experts(block: nn.Module) -> nn.Module | None:
 def swap_moe(model: nn.Module, group=None, **options) -> nn.Module:
     """Replace every sparse MoE block of `model` (a module with a router and .experts) by an EPMoE holding
     this rank's experts. Options go to EPMoE (backend, max_tokens, fp8_dispatch, ...). Returns the model."""
-    blocks = [(name, module) for name, module in model.named_modules()
-              if getattr(module, "experts", None) is not None and not isinstance(module, EPMoE)]
+    blocks = [(name, module) for name, module in model.named_modules() if getattr(module, "experts", None) is not None]
     if not blocks:
         raise ValueError(f"no MoE block (a module with .experts) found in {type(model).__name__}")
     for name, block in blocks:
