@@ -84,7 +84,7 @@ def _gpu_models(rank, world, kind):
     with torch.no_grad():
         expected = model(tokens).logits.float()
         for fp8, tolerance in ((False, 3e-2), (True, 1e-1)):      # relative L2 error of the logits
-            swapped = swap_moe(copy.deepcopy(model), fp8_dispatch=fp8, max_tokens=64)
+            swapped = swap_moe(copy.deepcopy(model), fp8_dispatch=fp8, fp8_group=64, max_tokens=64)   # H = 64
             logits = swapped(tokens).logits.float()
             error = ((logits - expected).norm() / expected.norm()).item()
             assert error < tolerance, f"fp8={fp8}: relative error {error:.3g}"

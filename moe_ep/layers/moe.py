@@ -35,12 +35,12 @@ class EPMoE(nn.Module):
             without one, forward needs topk_ids and topk_weights.
         shared_experts: module mapping tokens [T, H] to an output added to the experts' sum.
         max_tokens: most tokens one forward may carry per rank.
-        fp8_dispatch, backend: passed to EPAllToAll ("nvshmem" or "reference").
+        fp8_dispatch, fp8_group, backend: passed to EPAllToAll (backend "nvshmem" or "reference").
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, group=None,
                  activation="silu", router: nn.Module | None = None, shared_experts: nn.Module | None = None,
-                 max_tokens: int = 4096, fp8_dispatch: bool = True, backend: str = "nvshmem",
+                 max_tokens: int = 4096, fp8_dispatch: bool = True, fp8_group: int = 128, backend: str = "nvshmem",
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         world = dist.get_world_size(group)
@@ -55,7 +55,8 @@ class EPMoE(nn.Module):
         if num_experts % world:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the world size {world}")
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
-        self.group, self.max_tokens, self.fp8_dispatch, self.backend = group, max_tokens, fp8_dispatch, backend
+        self.group, self.max_tokens, self.backend = group, max_tokens, backend
+        self.fp8_dispatch, self.fp8_group = fp8_dispatch, fp8_group
         self.experts_per_rank = num_experts // world
         self.first_expert = dist.get_rank(group) * self.experts_per_rank
         self.activation = ACTIVATIONS[activation] if isinstance(activation, str) else activation
@@ -111,15 +112,14 @@ class EPMoE(nn.Module):
         """The local gated MLPs on dispatch's layout [E_loc, R, H] -> [E_loc, R, H]; rows past the counts
         hold garbage that combine never reads."""
         gemm = grouped_gemm if recv_x.is_cuda else reference.grouped_gemm
-        group = self._ep().fp8_group or 128
-        gate, up = gemm(recv_x, self.gate_up_proj, recv_count, recv_scales, group).chunk(2, dim=-1)
+        gate, up = gemm(recv_x, self.gate_up_proj, recv_count, recv_scales, self.fp8_group).chunk(2, dim=-1)
         return gemm((self.activation(gate) * up).contiguous(), self.down_proj, recv_count)
 
     def _ep(self) -> EPAllToAll:
         if self._all_to_all is None:
             self._all_to_all = EPAllToAll(self.max_tokens, self.hidden, self.num_experts, self.topk, group=self.group,
                                           dtype=self.gate_up_proj.dtype, fp8_dispatch=self.fp8_dispatch,
-                                          backend=self.backend)
+                                          fp8_group=self.fp8_group, backend=self.backend)
         return self._all_to_all
 
 
