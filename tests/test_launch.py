@@ -37,12 +37,15 @@ def test_help():
 def test_runs_every_rank_and_passes_multicast_settings_through(tmp_path):
     script = tmp_path / "probe.py"
     keys = sorted(MULTICAST) + ["NVSHMEM_SYMMETRIC_SIZE"]
+    # One file per rank: two processes printing to one pipe may interleave their lines.
     script.write_text(
-        "import os\n"
-        f"print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], *(os.environ.get(k) for k in {keys!r}))\n")
-    result = launch("--nproc", 2, "--heap", "1G", script, env=MULTICAST)
+        "import os, pathlib, sys\n"
+        "words = ['rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
+        f"         *(str(os.environ.get(k)) for k in {keys!r})]\n"
+        "(pathlib.Path(sys.argv[1]) / f\"rank{os.environ['RANK']}.txt\").write_text(' '.join(words))\n")
+    result = launch("--nproc", 2, "--heap", "1G", script, tmp_path, env=MULTICAST)
     assert result.returncode == 0, result.stderr
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    lines = sorted(path.read_text() for path in tmp_path.glob("rank*.txt"))
     values = [MULTICAST[k] for k in sorted(MULTICAST)] + ["1G"]
     assert lines == [f"rank {r} of 2 " + " ".join(values) for r in range(2)]
     if torch.cuda.device_count() == 0:
