@@ -4,7 +4,8 @@ Public API:
     EPAllToAll        low-latency dispatch/combine (FP8 inside dispatch, double-buffered signals)
     EPHandle          what dispatch hands to combine
     EPMoE, swap_moe   the expert-parallel MoE block, and the call that swaps it into a transformers model
-    ColumnParallelLinear, RowParallelLinear, TPMLP   sequence-parallel tensor-parallel linears
+    AsyncTP           all-gather GEMM and GEMM reduce-scatter, communication overlapped with the GEMM
+    ColumnParallelLinear, RowParallelLinear, TPMLP   sequence-parallel tensor-parallel linears on AsyncTP
     CommTimeoutError  raised when a device-side wait ran past its bound
     quantize_fp8      the per-group FP8 quantization kernel dispatch applies
     random_topk, link_copies   routing helpers
@@ -12,11 +13,13 @@ Public API:
     reference         the same contracts on torch.distributed collectives
 """
 from . import reference, runtime
-from .ep import CommTimeoutError, EPAllToAll, EPHandle
+from .ep import EPAllToAll, EPHandle
+from .runtime import CommTimeoutError
+from .tp import AsyncTP
 from .kernels.quant import quantize_fp8
 from .layers import TPMLP, ColumnParallelLinear, EPMoE, RowParallelLinear, swap_moe
 from .routing import link_copies, random_topk
 
-__all__ = ["EPAllToAll", "EPHandle", "CommTimeoutError", "EPMoE", "swap_moe", "ColumnParallelLinear",
+__all__ = ["EPAllToAll", "EPHandle", "CommTimeoutError", "EPMoE", "swap_moe", "AsyncTP", "ColumnParallelLinear",
            "RowParallelLinear", "TPMLP", "quantize_fp8", "random_topk", "link_copies", "runtime", "reference"]
 __version__ = "0.1.0"

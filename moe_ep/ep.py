@@ -27,14 +27,11 @@ import triton
 
 from . import reference, runtime
 from .kernels import all_to_all as kernels
+from .runtime import CommTimeoutError
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
 _SLOTS = 2
-
-
-class CommTimeoutError(RuntimeError):
-    """A device-side wait ran past its bound; the EPAllToAll that raised it cannot be used again."""
 
 
 @dataclass
@@ -174,11 +171,10 @@ class EPAllToAll:
             raise RuntimeError("this EPAllToAll was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
-        if self.backend == "nvshmem" and int(self._status[0]):
-            _, peer, tag, seen, target = self._status.tolist()
-            self._broken = (f"rank {self.rank}: {kernels.TAGS.get(tag, 'wait')} timed out after "
-                            f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected {target}; "
-                            f"call {self._calls})")
+        message = self.backend == "nvshmem" and runtime.timeout_message(self._status, self.rank, kernels.TAGS,
+                                                                         self.timeout_s)
+        if message:
+            self._broken = f"{message}; calls {self._calls}"
             raise CommTimeoutError(self._broken)
 
     def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:

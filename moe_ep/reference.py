@@ -20,9 +20,10 @@ combine(expert_out [E_loc, W * T_max, H], handle) -> y [T, H]:
     * the source adds the rows of the ranks the token went to, in rank order, in fp32,
       and casts to x's dtype. A token with every slot dropped gets zeros.
 
-Tensor-parallel contract (``moe_ep.layers.tp_linear``), tp ranks, rows split in rank order:
-    ag_gemm(a_shard [M/tp, K], w [N/tp, K]) = all_gather(a_shard) @ w.T          -> [M, N/tp]
-    gemm_rs(a [M, K/tp], w [N, K/tp])       = reduce_scatter(a @ w.T) (fp32 sum) -> [M/tp, N]
+Tensor-parallel contract (``moe_ep.tp``), tp ranks, rows split in rank order, w of any strides:
+    ag_gemm(a_shard [M/tp, K], w [K, N]) = all_gather(a_shard) @ w                       -> [M, N]
+    gemm_rs(a [M, K], w [K, N])          = reduce_scatter(a @ w): the partials a @ w in
+                                           a's dtype, summed over ranks in fp32, cast back -> [M/tp, N]
 """
 from __future__ import annotations
 
@@ -189,18 +190,19 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     return out
 
 
-def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
-    """all_gather of the row shards [M/tp, K] -> [M, K], then @ w.T with w [N/tp, K] -> [M, N/tp]."""
+def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, return_gathered: bool = False):
+    """all_gather of the row shards [M/tp, K] -> A [M, K], then A @ w with w [K, N] -> [M, N] (and A)."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world * a_shard.shape[0], a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
     dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
-    return gathered @ w.t()
+    out = gathered @ w
+    return (out, gathered) if return_gathered else out
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
-    """(a [M, K/tp] @ w.T with w [N, K/tp]) summed over ranks in fp32, rows scattered -> [M/tp, N]."""
+    """(a [M, K] @ w [K, N]) in a's dtype, summed over ranks in fp32, rows scattered -> [M/tp, N]."""
     world = dist.get_world_size(group)
-    partial = (a @ w.t()).float()
+    partial = (a @ w).float()
     out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=torch.float32, device=a.device)
     dist.reduce_scatter_tensor(out, partial, group=group)
     return out.to(a.dtype)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 __all__ = [
     "NvshmemUnavailable", "init_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
-    "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier",
+    "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
+    "timeout_message", "stream_write_value", "put_on_stream",
 ]
 
 HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
@@ -47,6 +48,20 @@ def heap_size() -> int:
 
 class NvshmemUnavailable(RuntimeError):
     """NVSHMEM cannot be used in this process (package missing, no GPU, ...)."""
+
+
+class CommTimeoutError(RuntimeError):
+    """A device-side wait ran past its bound; the object that raised it cannot be used again."""
+
+
+def timeout_message(status: torch.Tensor, rank: int, tags: dict[int, str], timeout_s: float) -> str | None:
+    """What a kernel's int32 status [code, peer, tag, value seen, target] (``moe_ep.shmem``) reports,
+    or None when no wait timed out."""
+    code, peer, tag, seen, target = status.tolist()
+    if not code:
+        return None
+    return (f"rank {rank}: {tags.get(tag, 'wait')} timed out after {timeout_s}s waiting for rank {peer} "
+            f"(signal count {seen}, expected {target})")
 
 
 _state = {"initialized": False, "hook_installed": False}
@@ -182,6 +197,34 @@ def peer_tensor(t: torch.Tensor, pe: int) -> torch.Tensor:
     if peer_ptr(t, pe) is None:
         raise ValueError(f"rank {pe} has no peer pointer from rank {dist.get_rank()} (not NVLink/P2P reachable)")
     return core.get_peer_tensor(t, pe)
+
+
+def stream_write_value(address: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Write the 64-bit `value` at device `address` (local, or a peer pointer) from `stream`'s front
+    end once the stream's earlier work is done, behind a memory fence (cuStreamWriteValue64).
+
+    No SM takes part: a persistent kernel that holds every SM and waits for this flag cannot
+    keep the write from happening, as it could keep a flag-setting kernel from starting.
+    """
+    from cuda.bindings import driver
+
+    stream = stream or torch.cuda.current_stream()
+    (err,) = driver.cuStreamWriteValue64(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
+                                         driver.cuuint64_t(value), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWriteValue64 failed: {err}")
+
+
+def put_on_stream(dst: torch.Tensor, src: torch.Tensor, pe: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Copy contiguous `src` into `pe`'s copy of `dst` (a view of a symmetric tensor, named by its
+    local address), in `stream` order. Between NVLink peers NVSHMEM moves it with the copy engine."""
+    _, bindings = _nvshmem()
+    if not (dst.is_contiguous() and src.is_contiguous()) or dst.numel() * dst.element_size() != \
+            src.numel() * src.element_size():
+        raise ValueError("put_on_stream needs contiguous tensors of the same size in bytes")
+    stream = stream or torch.cuda.current_stream()
+    bindings.putmem_on_stream(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), pe,
+                              stream.cuda_stream)
 
 
 def device_library() -> dict[str, str]:

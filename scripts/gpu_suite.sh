@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The whole GPU suite and the benchmarks in one command, for a machine with >= 2 GPUs:
 #
-#     bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench_ep] [bench_moe]   (default: all)
+#     bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench_ep] [bench_moe] [bench_tp]   (default: all)
 #
-# A device call lasts at most 10 minutes: run `tests`, then `tutorials bench_moe`, then `bench_ep`.
+# A device call lasts at most 10 minutes: run `tests`, then `tutorials bench_moe`, then `bench_ep`,
+# then `bench_tp`.
 # Every step runs under `timeout`; logs, JSON and plots land in OUTDIR. If nvshmem4py is not
 # importable and wheels lie in .whl/, they are installed into /tmp/site first.
 # The exit status is non-zero if any step failed.
 set -uo pipefail
-out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench_ep] [bench_moe]}"
+out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tutorials] [bench_ep] [bench_moe] [bench_tp]}"
 shift
-parts="${*:-tests tutorials bench_ep bench_moe}"
+parts="${*:-tests tutorials bench_ep bench_moe bench_tp}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
 
@@ -41,9 +42,11 @@ for part in $parts; do
     tests) step pytest 540 python3 -m pytest -q -rs tests ;;
     tutorials) step tutorial01 60 bash launch.sh tutorials/01-ring-exchange.py
                step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py
-               step tutorial05 120 bash launch.sh tutorials/05-swap-moe-into-a-model.py ;;
+               step tutorial05 120 bash launch.sh tutorials/05-swap-moe-into-a-model.py
+               step tutorial06 120 bash launch.sh tutorials/06-async-tp.py ;;
     bench_ep) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
     bench_moe) step bench_moe_layer 240 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
+    bench_tp) step bench_tp 420 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
     *) echo "unknown part: $part"; failed=1 ;;
   esac
 done

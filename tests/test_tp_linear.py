@@ -1,10 +1,12 @@
-"""Tensor-parallel linears on the reference backend (gloo) against the unsharded modules."""
+"""Tensor-parallel linears and AsyncTP on the reference backend (gloo) against unsharded modules and torch."""
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distributed import run
-from moe_ep import TPMLP, ColumnParallelLinear, RowParallelLinear
+from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
+from moe_ep.tp import predicted_gain
 
 
 class LlamaStyleMLP(nn.Module):
@@ -46,8 +48,10 @@ def _layers_match(rank, world):
         tp_row(torch.randn(m + 1, width))
     with pytest.raises(ValueError, match="features"):
         tp_column(torch.randn(2, hidden + 1))
-    with pytest.raises(ValueError, match="backend"):
-        RowParallelLinear(inner, hidden, backend="cuda")
+    with pytest.raises(ValueError, match="AsyncTP"):
+        RowParallelLinear(inner, hidden, comm="nccl")
+    with pytest.raises(ValueError, match="one nn.Linear"):
+        RowParallelLinear.from_linears([row, row])
     with pytest.raises(ValueError, match="Llama-style"):
         TPMLP.from_mlp(nn.Linear(4, 4))
 
@@ -55,3 +59,49 @@ def _layers_match(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_layers_match_unsharded(world):
     run(_layers_match, world)
+
+
+def _async_tp_on_the_reference_backend(rank, world):
+    torch.manual_seed(rank)
+    rows, k, n = 3, 16, 8
+    tp = AsyncTP(max_rows=world * rows, max_features=16, dtype=torch.float32, backend="reference")
+    a, w = torch.randn(rows, k), torch.randn(n, k).t()          # w as nn.Linear's weight.t()
+    out, gathered = tp.ag_gemm(a, w, return_gathered=True)
+    assert gathered.shape == (world * rows, k) and torch.equal(gathered[rank * rows:(rank + 1) * rows], a)
+    torch.testing.assert_close(out, gathered @ w)
+    a_full = torch.randn(world * rows, k)
+    parts = [torch.empty(world * rows, n) for _ in range(world)]
+    dist.all_gather(parts, a_full @ w)
+    torch.testing.assert_close(tp.gemm_rs(a_full, w), sum(parts)[rank * rows:(rank + 1) * rows])
+
+    with pytest.raises(ValueError, match="dtype"):
+        tp.ag_gemm(a.double(), w)
+    with pytest.raises(ValueError, match="exceed"):
+        tp.ag_gemm(torch.randn(rows + 1, k), w)
+    with pytest.raises(ValueError, match="exceed"):
+        tp.gemm_rs(torch.randn(world * rows, k), torch.randn(k, 17))
+    with pytest.raises(ValueError, match="evenly"):
+        tp.gemm_rs(torch.randn(world * rows - 1, k), w)
+    with pytest.raises(ValueError, match="columns"):
+        tp.gemm_rs(torch.randn(world * rows, k + 1), w)
+    with pytest.raises(ValueError, match="2-D"):
+        tp.ag_gemm(a[None], w)
+    with pytest.raises(ValueError, match="contiguous"):
+        tp.ag_gemm(torch.randn(k, rows).t(), w)
+    bad_options = [(dict(overlap="sometimes"), "overlap"), (dict(backend="mpi"), "backend"),
+                   (dict(max_rows=world * rows + 1), "multiple"), (dict(dtype=torch.int8), "dtype"),
+                   (dict(max_rows=2**16 * world, max_features=2**15), "32-bit")]
+    for bad, match in bad_options:
+        with pytest.raises(ValueError, match=match):
+            AsyncTP(**{"max_rows": world * rows, "max_features": 16, "backend": "reference", **bad})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_tp_reference_backend_and_checks(world):
+    run(_async_tp_on_the_reference_backend, world)
+
+
+def test_cost_model_keeps_small_shapes_on_the_plain_path():
+    assert predicted_gain("ag_gemm", 256, 4096, 4096, world=2) < 1
+    assert predicted_gain("gemm_rs", 256, 4096, 4096, world=2) < 1
+    assert predicted_gain("ag_gemm", 16384, 8192, 4096, world=2) > 1.05   # the issue's (16384, 8192, 8192) at tp 2

@@ -1,13 +1,15 @@
 """Tensor-parallel linear layers with sequence parallelism: the all-gather before a column-parallel
 GEMM and the reduce-scatter after a row-parallel one.
 
-    up = ColumnParallelLinear.from_linear(nn.Linear(H, I), group)     # weight rows [I/tp, H] on this rank
-    down = RowParallelLinear.from_linear(nn.Linear(I, H), group)      # weight columns [H, I/tp]
-    y_shard = down(act(up(x_shard)))           # x_shard, y_shard: this rank's rows [M/tp, H]
+    comm = AsyncTP(max_rows=8192, max_features=14336)                      # shared by every layer
+    up = ColumnParallelLinear.from_linear(nn.Linear(H, I), comm=comm)      # weight rows [I/tp, H] here
+    down = RowParallelLinear.from_linear(nn.Linear(I, H), comm=comm)       # weight columns [H, I/tp] here
+    y_shard = down(act(up(x_shard)))          # x_shard, y_shard: this rank's rows [M/tp, H]
 
 Inputs and outputs are sequence-parallel: rank r holds rows [r*M/tp, (r+1)*M/tp) of the flattened
-leading dimensions. ``backend="reference"`` runs on torch.distributed (all_gather_into_tensor /
-reduce_scatter_tensor + matmul), on CPU with gloo or GPU with NCCL; it is the only backend so far.
+leading dimensions. The communication runs through ``comm``, an ``moe_ep.AsyncTP`` (all-gather
+GEMM and GEMM reduce-scatter, overlapped where that pays). Without one, a layer runs
+``moe_ep.reference`` on torch.distributed over ``group`` (CPU with gloo, or NCCL).
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import reference
-
-BACKENDS = ("reference",)
+from ..tp import AsyncTP
 
 
 def _split(total: int, world: int, what: str) -> int:
@@ -32,12 +33,13 @@ class _TPLinear(nn.Module):
     SPLIT_DIM = 0
 
     def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
-                 backend: str = "reference", dtype=None, device=None):
+                 comm: AsyncTP | None = None, dtype=None, device=None):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.group, self.backend = group, backend
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if comm is not None and not isinstance(comm, AsyncTP):
+            raise ValueError(f"comm must be an moe_ep.AsyncTP or None, got {type(comm).__name__}")
+        self.group = comm.group if comm is not None else group
+        self.comm = comm
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.in_features, self.out_features = in_features, out_features
         shape = [out_features, in_features]
         name = ("out_features", "in_features")[self.SPLIT_DIM]
@@ -51,16 +53,32 @@ class _TPLinear(nn.Module):
         return x.reshape(-1, x.shape[-1])
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, backend: str = "reference"):
+    def from_linear(cls, linear: nn.Linear, group=None, comm: AsyncTP | None = None):
         """This rank's shard of linear.weight (and of its bias, when the bias is sharded too)."""
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, backend,
-                    linear.weight.dtype, linear.weight.device)
-        size = layer.weight.shape[cls.SPLIT_DIM]
+        return cls.from_linears([linear], group, comm)
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Linear], group=None, comm: AsyncTP | None = None):
+        """One layer for several linears of the same input (e.g. gate and up): this rank's shards,
+        stacked in order. Column-parallel only; a row-parallel layer takes one linear."""
+        if len(linears) != 1 and cls.SPLIT_DIM != 0:
+            raise ValueError(f"{cls.__name__} takes one nn.Linear")
+        first = linears[0]
+        if any(lin.in_features != first.in_features for lin in linears):
+            raise ValueError("the linears must take the same input size")
+        layer = cls(first.in_features, sum(lin.out_features for lin in linears), group, first.bias is not None,
+                    comm, first.weight.dtype, first.weight.device)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight.narrow(cls.SPLIT_DIM, layer.rank * size, size))
-            if linear.bias is not None:
-                bias = linear.bias
-                layer.bias.copy_(bias.narrow(0, layer.rank * size, size) if cls.SPLIT_DIM == 0 else bias)
+            weights, biases = [], []
+            name = ("out_features", "in_features")[cls.SPLIT_DIM]
+            for lin in linears:
+                size = _split(lin.weight.shape[cls.SPLIT_DIM], layer.world, name)
+                weights.append(lin.weight.narrow(cls.SPLIT_DIM, layer.rank * size, size))
+                if lin.bias is not None:
+                    biases.append(lin.bias.narrow(0, layer.rank * size, size) if cls.SPLIT_DIM == 0 else lin.bias)
+            layer.weight.copy_(torch.cat(weights, dim=cls.SPLIT_DIM))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.cat(biases))
         return layer
 
 
@@ -69,7 +87,11 @@ class ColumnParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M/tp rows, in] (leading dims flattened) -> [M, out/tp]."""
-        y = reference.ag_gemm(self._rows(x), self.weight, self.group)
+        rows = self._rows(x)
+        if self.comm is None:
+            y = reference.ag_gemm(rows, self.weight.t(), self.group)
+        else:
+            y = self.comm.ag_gemm(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
 
 
@@ -84,29 +106,33 @@ class RowParallelLinear(_TPLinear):
         """x [M, in/tp] -> [M/tp, out]."""
         rows = self._rows(x)
         _split(rows.shape[0], self.world, "rows")
-        y = reference.gemm_rs(rows, self.weight, self.group)
+        if self.comm is None:
+            y = reference.gemm_rs(rows, self.weight.t(), self.group)
+        else:
+            y = self.comm.gemm_rs(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
 
 
 class TPMLP(nn.Module):
-    """A Llama-style gated MLP, down(act(gate(x)) * up(x)), with gate/up column- and down row-parallel.
+    """A Llama-style gated MLP, down(act(gate(x)) * up(x)), tensor- and sequence-parallel.
 
-    Sequence-parallel in and out: x_shard [M/tp, H] -> [M/tp, H].
+    gate and up are one column-parallel layer (one all-gather GEMM for both, this rank's gate
+    columns then its up columns), down is row-parallel. x_shard [M/tp, H] -> [M/tp, H].
     """
 
-    def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear, down: RowParallelLinear, act):
+    def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear, act):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj, self.act = gate, up, down, act
+        self.gate_up_proj, self.down_proj, self.act = gate_up, down, act
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, group=None, backend: str = "reference") -> "TPMLP":
+    def from_mlp(cls, mlp: nn.Module, group=None, comm: AsyncTP | None = None) -> "TPMLP":
         """From a module with gate_proj, up_proj, down_proj (nn.Linear) and act_fn, as Llama's MLP."""
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), nn.Linear):
                 raise ValueError(f"{type(mlp).__name__} has no nn.Linear {name}: not a Llama-style MLP")
-        return cls(ColumnParallelLinear.from_linear(mlp.gate_proj, group, backend),
-                   ColumnParallelLinear.from_linear(mlp.up_proj, group, backend),
-                   RowParallelLinear.from_linear(mlp.down_proj, group, backend), getattr(mlp, "act_fn", nn.SiLU()))
+        return cls(ColumnParallelLinear.from_linears([mlp.gate_proj, mlp.up_proj], group, comm),
+                   RowParallelLinear.from_linear(mlp.down_proj, group, comm), getattr(mlp, "act_fn", nn.SiLU()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

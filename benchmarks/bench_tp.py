@@ -1,0 +1,149 @@
+"""Async TP: all-gather GEMM and GEMM reduce-scatter against the plain path and PyTorch's fused ops, in one run.
+
+    bash launch.sh benchmarks/bench_tp.py --out OUTDIR
+
+Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores them (w = weight.t()):
+  AG-GEMM  a_shard [M/tp, K] @ w [K, N/tp] -> [M, N/tp]   (column-parallel, sequence-parallel input)
+  GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
+For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
+  comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
+  plain       NCCL then cuBLAS (or the reverse), nothing overlapped: the baseline
+  torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
+  ours        moe_ep.AsyncTP with overlap="always" (the Triton kernels), and "auto" (what layers get)
+Speedups are plain / x. Overlap efficiency = (plain - ours) / min(comm, gemm): 1 is a perfect overlap.
+Writes tp.json and tp.md under --out; rank 0 prints the table.
+"""
+import argparse
+import datetime
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import triton
+
+from moe_ep import AsyncTP, reference, runtime
+from moe_ep.timing import median_us
+
+SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336)]
+
+
+def torch_fused_ops():
+    """PyTorch's fused ops on the default group (None where this torch has none)."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return None, None
+    name = dist.group.WORLD.group_name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+    ops = torch.ops.symm_mem
+    return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
+            lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name))
+
+
+def measure(op, shape, tp, fused, iters):
+    world = dist.get_world_size()
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    if op == "ag_gemm":
+        a = torch.randn(m // world, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(n // world, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
+        gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        comm = lambda: dist.all_gather_into_tensor(gathered, a)          # noqa: E731
+        gemm = lambda: gathered @ w                                        # noqa: E731
+        plain = lambda: reference.ag_gemm(a, w)                            # noqa: E731
+    else:
+        a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
+        partial = a @ w
+        scattered = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+        comm = lambda: dist.reduce_scatter_tensor(scattered, partial)      # noqa: E731
+
+        def plain():
+            out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+            dist.reduce_scatter_tensor(out, a @ w)
+            return out
+        gemm = lambda: a @ w                                               # noqa: E731
+
+    def with_overlap(mode):
+        def call():
+            tp.overlap = mode
+            return getattr(tp, op)(a, w)
+        return call
+    ours, auto = with_overlap("always"), with_overlap("auto")
+    fused_op = fused[0] if op == "ag_gemm" else fused[1]
+    row = {"op": op, "M": m, "K": k, "N": n}
+    error = (ours().float() - plain().float()).abs().max().item()
+    row["max_abs_diff_vs_plain"] = error
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("ours_us", ours), ("auto_us", auto)]
+    if fused_op is not None:
+        timings.append(("torch_us", lambda: fused_op(a, w)))
+    for key, fn in timings:
+        dist.barrier()
+        try:
+            row[key] = median_us(fn, iters, 5)
+        except Exception as e:            # a baseline this torch cannot run is reported, not fatal
+            row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    for key in ("ours_us", "auto_us", "torch_us"):
+        if isinstance(row.get(key), float):
+            row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
+    row["overlap_efficiency"] = (row["plain_us"] - row["ours_us"]) / min(row["comm_us"], row["gemm_us"])
+    tp.overlap = "auto"
+    row["auto_overlaps"] = tp._use_overlap(op, m, k // world if op == "gemm_rs" else k,
+                                           n // world if op == "ag_gemm" else n)
+    return row
+
+
+def table(rows) -> str:
+    cols = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "ours_us", "auto_us", "torch_speedup",
+            "ours_speedup", "auto_speedup", "overlap_efficiency", "auto_overlaps", "max_abs_diff_vs_plain"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "-"))
+                                       for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    runtime.init_distributed()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_tp.py needs GPUs")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meta = {"device": torch.cuda.get_device_name(), "world": world,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "triton": triton.__version__}
+    max_rows = max(m for m, _, _ in SHAPES)
+    max_features = max(max(k, n) for _, k, n in SHAPES)
+    tp = AsyncTP(max_rows, max_features)
+    fused = torch_fused_ops()
+    rows = []
+    os.makedirs(args.out, exist_ok=True)
+    for op in ("ag_gemm", "gemm_rs"):
+        for shape in SHAPES:
+            rows.append(measure(op, shape, tp, fused, args.iters))
+            if rank == 0:                  # written as they come: a cut run keeps what it measured
+                print(json.dumps(rows[-1]), flush=True)
+                with open(os.path.join(args.out, "tp.json"), "w") as f:
+                    json.dump({**meta, "rows": rows}, f, indent=1)
+    tp.check()
+    if rank == 0:
+        text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
+                f"times in us (rank 0)\n\n{table(rows)}\n")
+        with open(os.path.join(args.out, "tp.md"), "w") as f:
+            f.write(text)
+        print(text)
+    tp.destroy()
+    runtime.finalize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

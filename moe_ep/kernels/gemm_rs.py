@@ -1,0 +1,77 @@
+"""GEMM reduce-scatter: out[M/W, N] = sum over ranks of (a[M, K] @ w[K, N]), rows scattered.
+
+    rank r holds a = its K-block of columns of the activations, w = its [K, N] block of rows;
+    rank d keeps rows [d*M/W, (d+1)*M/W) of the sum
+
+One persistent kernel does the GEMM, the exchange and the reduction. Rows bound for rank d
+form shard d. Programs compute the shards in the order they leave: rank r+1's first, then
+r+2's, ..., their own last. A tile of a peer's shard is rounded to the output dtype and
+stored straight into that peer's symmetric `partials[r]` (NVLink stores), and the peer's
+flag for (r, tile) is raised. A tile of the own shard waits for the same tile from every
+peer and sums the partials in fp32, its own first and then the peers' in rank order (with
+two ranks, exactly the fp32 sum p_0 + p_1), then stores the result.
+
+Own tiles come last in every program, after all the tiles it sends, so every tile a program
+waits for comes earlier in some peer program's order: with every program resident (the grid
+is at most the SM count) no wait can close a cycle.
+
+Reference: ``moe_ep.reference.gemm_rs`` (the same partials, rounded the same way, summed in fp32;
+its order of summation is NCCL's).
+"""
+import triton
+import triton.language as tl
+
+from ..shmem import signal_add, wait_until_ge
+from .matmul import matmul_tile, tile_coords
+
+TAG_TILE = tl.constexpr(6)
+TAGS = {6: "GEMM reduce-scatter (waiting for a peer's partial tile)"}
+
+
+@triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
+def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr,
+                   rows, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am, stride_wk, stride_wn,
+                   programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """a [world * rows, K] (row stride stride_am); w [K, N] (any strides); out [rows, N];
+    partials [world, rows, N] in out's dtype and flags [world, tiles per shard] int64 are symmetric,
+    partial_peers / flag_peers [world] int64 hold every rank's address of them; state [programs]
+    int64 clock words; status int32[5].
+
+    The launch covers the steps [step_begin, step_end) of the schedule (0: the first shard to
+    leave, world - 1: the own shard); on the GPU that is all of them in one launch.
+    """
+    pid = tl.program_id(0)
+    status = status_addr.to(tl.pointer_type(tl.int32))
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_shard = tiles_m * tiles_n
+    slab = rows.to(tl.int64) * N                 # elements of one [rows, N] partial
+    failed = 0
+    for tile in range(step_begin * per_shard + pid, step_end * per_shard, programs):
+        step = tile // per_shard
+        t = tile - step * per_shard
+        dest = (rank + 1 + step) % world
+        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = matmul_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, w, stride_wk, stride_wn,
+                          pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        part = acc.to(out.dtype.element_ty)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offsets = offs_m[:, None] * N + offs_n[None, :]        # inside one [rows, N] slab: 32 bits
+        mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+        if dest != rank:
+            peer = tl.load(partial_peers + dest).to(tl.pointer_type(out.dtype.element_ty))
+            tl.store(peer + rank * slab + offsets, part, mask=mask)
+            peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
+            signal_add(peer_flags + rank * per_shard + t, 1)
+        else:
+            total = part.to(tl.float32)              # one fp32 tile live: the own partial, then the peers'
+            for src in range(0, world):
+                if src != rank:
+                    if failed == 0:
+                        landed = wait_until_ge(flags + src * per_shard + t, 1, timeout_ns, status, src, TAG_TILE,
+                                               state + pid)
+                        failed = tl.where(landed, 0, 1)
+                    total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)

@@ -1,0 +1,80 @@
+"""What the two async-TP GEMMs (``ag_gemm``, ``gemm_rs``) share: the tile loop, the tile order
+inside a shard, the tile shapes, and the per-call reset of their arrival flags.
+
+Both kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
+(``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
+it has finished its tiles of an earlier one. Inside a shard the tiles go in groups of GROUP_M
+row-blocks (the Triton matmul tutorial's L2-friendly order).
+
+The tile shapes depend only on the problem's sizes and dtype, never on the rank: tile ids are
+part of the protocol between ranks (GEMM-RS signals one flag per tile).
+"""
+import triton
+import triton.language as tl
+
+from .. import shmem
+
+
+@triton.jit
+def tile_coords(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Row-block and column-block of tile `t` of a shard with tiles_m x tiles_n tiles."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % size_m
+    pid_n = (t % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of a[:rows, :K] @ b[:K, :N].
+
+    a is row-major with row stride stride_am; b may have any strides (nn.Linear's weight.t() too).
+    Rows past `rows` and columns past N are computed from row 0 / column 0 (always readable);
+    the caller masks them at the store. Offsets are 32-bit (the host keeps every operand under
+    2**31 elements): 64-bit offsets per element cost registers the epilogues need.
+    """
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < rows, offs_m, 0), BLOCK_M), BLOCK_M)
+    offs_n = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(a_ptrs)
+            y = tl.load(b_ptrs)
+        else:
+            left = K - k * BLOCK_K
+            x = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+            y = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
+        acc = tl.dot(x, y, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def reset_and_barrier_kernel(flags, count, BLOCK: tl.constexpr):
+    """Zero this rank's `count` int64 arrival flags, then a barrier over all ranks (one program).
+
+    Peers write this call's flags and data only after the barrier, so they never race the
+    reset, and never overwrite data the previous call (earlier on this stream) still reads.
+    """
+    for start in range(0, count, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(flags + offs, tl.zeros((BLOCK,), tl.int64), mask=offs < count)
+    shmem.barrier_all_block()
+
+
+def tile_config(rows: int, n: int, element_size: int) -> dict:
+    """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank)."""
+    block_m = 128 if rows > 64 else 64
+    block_n = 256 if n >= 2048 and element_size == 2 else 128
+    block_k = 64 if element_size == 2 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                num_warps=8 if block_m * block_n >= 128 * 256 else 4, num_stages=3)

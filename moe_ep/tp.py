@@ -1,0 +1,312 @@
+"""AsyncTP: the host object that owns the async tensor-parallel buffers and launches the two GEMMs.
+
+    tp = AsyncTP(max_rows=16384, max_features=28672)     # collective, once per process group
+    out = tp.ag_gemm(a_shard, w)      # a_shard [M/W, K], w [K, N]   -> all_gather(a_shard) @ w   [M, N]
+    out = tp.gemm_rs(a, w)            # a [M, K], w [K, N]           -> reduce_scatter(a @ w)     [M/W, N]
+
+W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
+w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
+``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``); the kernels are in
+``moe_ep.kernels.ag_gemm`` and ``moe_ep.kernels.gemm_rs``.
+
+Each call picks one of two paths (``overlap``):
+  - overlapped: the Looped-CollectiveEinsum kernels, communication hidden behind the GEMM;
+  - plain: NCCL collective, then cuBLAS (or the reverse), nothing overlapped.
+``overlap="auto"`` takes the overlapped path only where the cost model below predicts a gain,
+so that a call is not slower than the plain path; "always" / "never" force one path.
+``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
+
+Every call of the overlapped path begins with a barrier over the group (one small kernel):
+buffers are reused from call to call, and a peer may write into them only once this rank is
+done with the previous call. Calls must be made in the same order on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import triton
+
+from . import reference, runtime
+from .kernels import ag_gemm as ag_kernels
+from .kernels import gemm_rs as rs_kernels
+from .kernels.matmul import reset_and_barrier_kernel, tile_config
+from .runtime import CommTimeoutError
+
+BACKENDS = ("nvshmem", "reference")
+OVERLAP = ("auto", "always", "never")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): predictions, to be replaced by what
+# benchmarks/bench_tp.py measures. The overlapped path pays when
+#     max(gemm / TRITON_SPEED, link) + OVERHEAD_US  <  gemm + link
+CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
+TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
+LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
+OVERHEAD_US = 20.0        # barrier launch and flags of one overlapped call
+
+_MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
+
+
+def predicted_gain(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> float:
+    """Predicted time of the plain path over the overlapped one for out = [M, K] @ [K, N] per rank
+    (op "ag_gemm": M rows gathered; "gemm_rs": M rows reduced and scattered)."""
+    gemm_us = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
+    moved = (world - 1) / world * m * (k if op == "ag_gemm" else n) * element_size
+    link_us = moved / (LINK_GBPS * 1e3)
+    return (gemm_us + link_us) / (max(gemm_us / TRITON_SPEED, link_us) + OVERHEAD_US)
+
+
+class AsyncTP:
+    """All-gather GEMM and GEMM reduce-scatter over one process group (collective constructor).
+
+    Args:
+        max_rows: most rows M of any call (the gathered A, the un-scattered output).
+        max_features: most K of an ag_gemm call and most N of a gemm_rs call.
+        group: the process group (NVSHMEM backend: the whole default group).
+        dtype: dtype of every operand and output (bfloat16, float16 or float32).
+        backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
+        overlap: "auto", "always" or "never" (see the module docstring).
+        timeout_s: bound of every device-side wait.
+    """
+
+    def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
+                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
+        if not dist.is_initialized():
+            raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
+        self._configure(dist.get_world_size(group), dist.get_rank(group), max_rows, max_features, dtype, backend,
+                        overlap, timeout_s)
+        self.group = group
+        if backend == "reference":
+            self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            return
+        runtime.init(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+        self._allocate(runtime.symmetric_zeros, programs=int(sms.item()))
+        self._connect(lambda name, buf: [buf if r == self.rank else runtime.peer_tensor(buf, r)
+                                         for r in range(self.world)])
+        self._copy_stream = torch.cuda.Stream(self.device)
+        runtime.barrier()
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _configure(self, world, rank, max_rows, max_features, dtype, backend, overlap, timeout_s) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if overlap not in OVERLAP:
+            raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}")
+        for name, value in (("max_rows", max_rows), ("max_features", max_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_rows * max_features >= 2**31:
+            raise ValueError(f"max_rows * max_features = {max_rows * max_features} elements: the kernels index "
+                             "buffers with 32-bit offsets, keep it under 2**31")
+        if max_rows % world:
+            raise ValueError(f"max_rows={max_rows} is not a multiple of the group size {world}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.world, self.rank = world, rank
+        self.max_rows, self.max_features, self.dtype = max_rows, max_features, dtype
+        self.backend, self.overlap, self.timeout_s = backend, overlap, timeout_s
+        self._symmetric: dict[str, torch.Tensor] = {}
+        self._broken: str | None = None
+
+    def _allocate(self, symmetric_zeros, programs: int) -> None:
+        """Symmetric buffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size
+        (the same on every rank)."""
+        W, elements = self.world, self.max_rows * self.max_features
+        tiles = triton.cdiv(self.max_rows // W, _MIN_TILE[0]) * triton.cdiv(self.max_features, _MIN_TILE[1])
+        shapes = {"gathered": ((elements,), self.dtype), "ag_flags": ((W,), torch.int64),
+                  "partials": ((elements,), self.dtype), "rs_flags": ((W * tiles,), torch.int64)}
+        for name, (shape, dtype) in shapes.items():
+            self._symmetric[name] = symmetric_zeros(shape, dtype)
+        self._programs = programs
+        self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
+        self._status = torch.zeros(5, dtype=torch.int32, pin_memory=self.device.type == "cuda")   # shmem.STATUS_*
+
+    def _connect(self, peer_views) -> None:
+        """`peer_views(name, buffer)` -> every rank's copy of a symmetric buffer as a tensor whose
+        data_ptr this rank can address (NVLink). The kernels' address tables come from them, and
+        flags are raised through them; on CPU (the interpreter tests) data is copied into them."""
+        self._views, self._peers = {}, {}
+        for name, buf in self._symmetric.items():
+            views = peer_views(name, buf)
+            self._views[name] = views
+            self._peers[name] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
+
+    def destroy(self) -> None:
+        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
+        if self._symmetric:
+            runtime.barrier()
+            for buf in self._symmetric.values():
+                runtime.free(buf)
+            self._symmetric.clear()
+        self._broken = "destroyed"
+
+    # ------------------------------------------------------------------------------------ checks
+
+    def check(self) -> None:
+        """Wait for the device, then raise CommTimeoutError if a wait of this object timed out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._broken == "destroyed":
+            raise RuntimeError("this AsyncTP was destroyed")
+        if self._broken:
+            raise CommTimeoutError(self._broken)
+        message = self.backend == "nvshmem" and runtime.timeout_message(
+            self._status, self.rank, {**ag_kernels.TAGS, **rs_kernels.TAGS}, self.timeout_s)
+        if message:
+            self._broken = message
+            raise CommTimeoutError(message)
+
+    def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
+        for name, t in (("a", a), ("w", w)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise ValueError(f"{op}: {name} has dtype {t.dtype}, this AsyncTP was built for {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{op}: {name} is on {t.device}, expected {self.device}")
+            if t.dim() != 2:
+                raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if not a.is_contiguous():
+            raise ValueError(f"{op}: a must be contiguous")
+        if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
+            raise ValueError(f"{op}: w spans 2**31 elements or more; the kernels use 32-bit offsets")
+        if a.shape[1] != w.shape[0]:
+            raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
+
+    def _use_overlap(self, op: str, m: int, k: int, n: int) -> bool:
+        if self.backend == "reference" or self.overlap == "never" or m == 0:
+            return False
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.overlap == "always" or predicted_gain(op, m, k, n, self.world, element_size) > 1.05
+
+    # ------------------------------------------------------------------------------------ all-gather GEMM
+
+    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
+        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked)."""
+        self._raise_if_failed()
+        self._check_operands("ag_gemm", a_shard, w)
+        rows, k = a_shard.shape
+        m, n = rows * self.world, w.shape[1]
+        if m > self.max_rows or k > self.max_features:
+            raise ValueError(f"ag_gemm: M={m}, K={k} exceed this AsyncTP's max_rows={self.max_rows} / "
+                             f"max_features={self.max_features}")
+        if not self._use_overlap("ag_gemm", m, k, n):
+            return reference.ag_gemm(a_shard, w, self.group, return_gathered)
+        self._start("ag_flags", self.world)
+        self._ag_push(a_shard, return_gathered)
+        out = self._ag_compute(a_shard, w)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
+        if return_gathered:
+            return out, self._symmetric["gathered"][:m * k].view(m, k).clone()
+        return out
+
+    def _ag_push(self, a_shard: torch.Tensor, own_copy: bool) -> None:
+        """Copy a_shard into every peer's `gathered` (peer r+1 first), raising its flag after each copy;
+        into this rank's own too when the gathered A is wanted. On the copy engine, off the SMs."""
+        rows, k = a_shard.shape
+        mine = slice(self.rank * rows * k, (self.rank + 1) * rows * k)
+        with self._on_copy_stream():
+            for step in range(1, self.world):
+                peer = (self.rank + step) % self.world
+                self._put("gathered", mine, a_shard, peer)
+                self._raise_flag("ag_flags", peer, self.rank)
+            if own_copy:
+                self._symmetric["gathered"][mine].view(rows, k).copy_(a_shard)
+
+    def _ag_compute(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows, k = a_shard.shape
+        n = w.shape[1]
+        out = torch.empty((rows * self.world, n), dtype=self.dtype, device=self.device)
+        if rows == 0 or n == 0:
+            return out
+        config = tile_config(rows, n, a_shard.element_size())
+        tiles = self.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        programs = min(self._programs, tiles)
+        ag_kernels.ag_gemm_kernel[(programs,)](
+            a_shard, self._symmetric["gathered"], w, out, self._symmetric["ag_flags"], self._state,
+            self._status.data_ptr(), rows, n, k, self.rank, self.world, int(self.timeout_s * 1e9),
+            w.stride(0), w.stride(1), programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+        return out
+
+    # ------------------------------------------------------------------------------------ GEMM reduce-scatter
+
+    def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
+        of the sum over ranks of a @ w)."""
+        self._raise_if_failed()
+        self._check_operands("gemm_rs", a, w)
+        m, k = a.shape
+        n = w.shape[1]
+        if m % self.world:
+            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
+        if m > self.max_rows or n > self.max_features:
+            raise ValueError(f"gemm_rs: M={m}, N={n} exceed this AsyncTP's max_rows={self.max_rows} / "
+                             f"max_features={self.max_features}")
+        if self.backend == "reference":
+            return reference.gemm_rs(a, w, self.group)
+        if not self._use_overlap("gemm_rs", m, k, n):
+            out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
+            dist.reduce_scatter_tensor(out, a @ w, group=self.group)
+            return out
+        out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out
+        config = tile_config(m // self.world, n, a.element_size())
+        self._start("rs_flags", self.world * self._rs_tiles(m, n, config))
+        self._rs_launch(a, w, out, config, 0, self.world)
+        return out
+
+    def _rs_tiles(self, m: int, n: int, config: dict) -> int:
+        return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    def _rs_launch(self, a, w, out, config, step_begin: int, step_end: int) -> None:
+        """The kernel over steps [step_begin, step_end) of its schedule (all of them on the GPU)."""
+        m, k = a.shape
+        n = w.shape[1]
+        programs = min(self._programs, self.world * self._rs_tiles(m, n, config))
+        rs_kernels.gemm_rs_kernel[(programs,)](
+            a, w, out, self._symmetric["partials"], self._peers["partials"], self._symmetric["rs_flags"],
+            self._peers["rs_flags"], self._state, self._status.data_ptr(), m // self.world, n, k, self.rank,
+            self.world, step_begin, step_end, int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1),
+            programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+
+    # ------------------------------------------------------------------------------------ launching
+
+    def _start(self, flags: str, count: int) -> None:
+        """Zero this rank's first `count` flags of `flags`, then a barrier over the group (see the module)."""
+        reset_and_barrier_kernel[(1,)](self._symmetric[flags], count, BLOCK=1024, num_warps=4,
+                                       extern_libs=runtime.device_library())
+
+    def _on_copy_stream(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self._copy_stream)
+
+    def _put(self, name: str, where: slice, src: torch.Tensor, peer: int) -> None:
+        """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in stream order."""
+        if self.device.type == "cuda":
+            runtime.put_on_stream(self._symmetric[name][where], src, peer, torch.cuda.current_stream())
+        else:
+            self._views[name][peer][where].copy_(src.flatten())
+
+    def _raise_flag(self, name: str, peer: int, index: int) -> None:
+        """Set element `index` of `peer`'s int64 buffer `name` to 1, in stream order, after a fence."""
+        if self.device.type == "cuda":
+            address = self._views[name][peer].data_ptr() + 8 * index
+            runtime.stream_write_value(address, 1, torch.cuda.current_stream())
+        else:
+            self._views[name][peer][index] = 1

@@ -1,0 +1,127 @@
+"""AsyncTP's kernels and the TP layers against the reference on NCCL, on 2+ GPUs.
+
+Tolerances: the kernels and cuBLAS accumulate in fp32 in different orders, and the outputs
+are rounded to bf16/fp16, so results are compared with rtol = atol = 2e-2 (bf16) / 5e-3 (fp16)
+on inputs of unit scale divided by sqrt(K).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import run
+from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
+
+pytestmark = pytest.mark.gpu
+WORLD = min(torch.cuda.device_count(), 8)
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# rows per rank (M / W), K, N: small M, M not a multiple of the tile, K not a multiple of BLOCK_K
+SHAPES = [(1, 128, 256), (3, 200, 96), (100, 512, 1000), (128, 1024, 2048), (300, 2048, 4096), (1024, 4096, 4096)]
+
+
+def operands(rank, world, rows, k, n, dtype, transposed, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed * 100 + rank)
+    a = torch.randn(rows, k, generator=g, device="cuda").to(dtype)
+    w = torch.randn(n, k, generator=g, device="cuda").to(dtype) / k ** 0.5
+    return a, (w.t() if transposed else w.t().contiguous())
+
+
+def close(out, expected, dtype, what):
+    torch.testing.assert_close(out.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=what)
+
+
+def _kernels_match_reference(rank, world):
+    for dtype in (torch.bfloat16, torch.float16):
+        tp = AsyncTP(max_rows=world * 1024, max_features=4096, dtype=dtype, overlap="always")
+        for i, (rows, k, n) in enumerate(SHAPES):
+            for transposed in (False, True):
+                seed = 2 * i + transposed
+                a, w = operands(rank, world, rows, k, n, dtype, transposed, seed)
+                out, gathered = tp.ag_gemm(a, w, return_gathered=True)
+                ref, ref_gathered = reference.ag_gemm(a, w, return_gathered=True)
+                assert torch.equal(gathered, ref_gathered), "gathered A differs"
+                close(out, ref, dtype, lambda m: f"ag_gemm {rows, k, n, dtype, transposed}: {m}")
+
+                a_full, w = operands(rank, world, world * rows, k, n, dtype, transposed, seed)
+                close(tp.gemm_rs(a_full, w), reference.gemm_rs(a_full, w), dtype,
+                      lambda m: f"gemm_rs {rows, k, n, dtype, transposed}: {m}")
+        tp.check()
+        tp.destroy()
+
+
+def _repeated_calls_and_the_fallback(rank, world):
+    dtype, rows, k, n = torch.bfloat16, 256, 1024, 2048
+    always = AsyncTP(world * rows, 2048, overlap="always")
+    never = AsyncTP(world * rows, 2048, overlap="never")
+    for call in range(50):                       # fresh inputs each call, buffers and flags reused
+        a, w = operands(rank, world, rows, k, n, dtype, call % 2 == 1, seed=1000 + call)
+        if rank == call % world:
+            torch.cuda._sleep(1_000_000)         # a straggler must not see stale shards or partials
+        ref = reference.ag_gemm(a, w)
+        close(always.ag_gemm(a, w), ref, dtype, lambda m: f"ag_gemm call {call}: {m}")
+        assert torch.equal(never.ag_gemm(a, w), ref), "the fallback is the plain path"
+        a_full, _ = operands(rank, world, world * rows, k, n, dtype, False, seed=2000 + call)
+        ref = reference.gemm_rs(a_full, w)
+        close(always.gemm_rs(a_full, w), ref, dtype, lambda m: f"gemm_rs call {call}: {m}")
+        close(never.gemm_rs(a_full, w), ref, dtype, lambda m: f"fallback gemm_rs call {call}: {m}")
+    always.check()
+
+    auto = AsyncTP(world * 8192, 8192, overlap="auto")   # the cost model picks per shape
+    assert not auto._use_overlap("ag_gemm", 2 * world, 128, 128), "tiny shapes take the plain path"
+    a, w = operands(rank, world, 4, 256, 512, dtype, False, seed=7)
+    close(auto.ag_gemm(a, w), reference.ag_gemm(a, w), dtype, lambda m: f"auto, small: {m}")
+
+    with pytest.raises(ValueError, match="dtype"):
+        always.ag_gemm(a.float(), w)
+    with pytest.raises(ValueError, match="exceed"):
+        always.ag_gemm(torch.zeros(rows + 1, k, dtype=dtype, device="cuda"), w)
+    with pytest.raises(ValueError, match="evenly"):
+        always.gemm_rs(torch.zeros(world * rows - 1, k, dtype=dtype, device="cuda"), w)
+    with pytest.raises(ValueError, match="columns"):
+        always.gemm_rs(torch.zeros(world * rows, k + 1, dtype=dtype, device="cuda"), w)
+    for tp in (always, never, auto):
+        tp.destroy()
+
+
+def _timeout_raises(rank, world):
+    tp = AsyncTP(world * 64, 256, overlap="always", timeout_s=0.5)
+    a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=3)
+    if rank == 0:
+        tp._ag_compute(a, w)                     # no barrier and no peer pushes: nothing lands
+        with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank [1-9]"):
+            tp.check()
+    dist.barrier()
+    tp.destroy()
+
+
+class LlamaStyleMLP(nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _mlp_matches_unsharded(rank, world):
+    torch.manual_seed(0)
+    hidden, inner, m = 1024, 2816 * world // 2, 1000 * world
+    mlp = LlamaStyleMLP(hidden, inner).cuda().to(torch.bfloat16)
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    mine = slice(rank * m // world, (rank + 1) * m // world)
+    expected = mlp(x)[mine]
+    comm = AsyncTP(max_rows=m, max_features=max(hidden, inner), overlap="always")
+    tp_mlp = TPMLP.from_mlp(mlp, comm=comm)
+    close(tp_mlp(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP (overlapped): {msg}")
+    close(TPMLP.from_mlp(mlp)(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP (reference): {msg}")
+    comm.check()
+    comm.destroy()
+
+
+@pytest.mark.parametrize("body", [_kernels_match_reference, _repeated_calls_and_the_fallback, _timeout_raises,
+                                  _mlp_matches_unsharded], ids=lambda f: f.__name__.strip("_"))
+def test_async_tp(body):
+    run(body, WORLD, gpu=True)

@@ -1,0 +1,126 @@
+"""The async-TP kernels, all ranks in one process, in the Triton interpreter (CPU).
+
+Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensors; its peer
+views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
+never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
+then every rank's pushes (all-gather) or sends (reduce-scatter), then every rank's GEMM or own
+tiles. Results are compared with torch in float64; the kernels sum in fp32.
+"""
+import os
+
+import pytest
+import torch
+
+from moe_ep import AsyncTP, CommTimeoutError
+from moe_ep.kernels.matmul import tile_config
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="runs the kernels in the Triton interpreter, on CPU-only machines")
+
+
+def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0):
+    ranks = []
+    for rank in range(world):
+        tp = AsyncTP.__new__(AsyncTP)
+        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "always", timeout_s)
+        tp.group, tp.device = None, torch.device("cpu")
+        tp._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
+        ranks.append(tp)
+    for tp in ranks:
+        tp._connect(lambda name, buf: [other._symmetric[name] for other in ranks])
+    return ranks
+
+
+def weights(world, k, n, dtype, transposed, seed):
+    """Every rank's w [K, N]: contiguous, or an nn.Linear-style [N, K] weight seen through .t()."""
+    g = torch.Generator().manual_seed(seed)
+    if transposed:
+        return [torch.randn(n, k, generator=g).to(dtype).t() for _ in range(world)]
+    return [torch.randn(k, n, generator=g).to(dtype) for _ in range(world)]
+
+
+# world, rows per rank, K, N, dtype, w transposed
+AG_CASES = [
+    (2, 150, 64, 300, torch.float32, False),    # two row tiles, three column tiles, K a multiple of BLOCK_K
+    (3, 70, 40, 130, torch.float32, True),      # K not a multiple of BLOCK_K, w through .t()
+    (2, 1, 48, 20, torch.float32, False),       # one row per rank
+    (2, 33, 64, 96, torch.float16, True),       # (the interpreter computes bf16 dots wrongly; fp16 stands in)
+]
+
+
+@pytest.mark.parametrize("case", range(len(AG_CASES)))
+def test_all_gather_gemm(case):
+    world, rows, k, n, dtype, transposed = AG_CASES[case]
+    ranks = simulated_group(world, world * rows, max(k, n), dtype)
+    for call in range(2):                                     # buffers and flags reused by a second call
+        g = torch.Generator().manual_seed(call)
+        shards = [torch.randn(rows, k, generator=g).to(dtype) for _ in range(world)]
+        ws = weights(world, k, n, dtype, transposed, seed=10 + call)
+        for tp in ranks:
+            tp._symmetric["ag_flags"].zero_()
+        for r, tp in enumerate(ranks):
+            tp._ag_push(shards[r], own_copy=True)
+        outs = [tp._ag_compute(shards[r], ws[r]) for r, tp in enumerate(ranks)]
+        full = torch.cat(shards).double()
+        for r, tp in enumerate(ranks):
+            assert torch.equal(tp._symmetric["gathered"][:world * rows * k].view(-1, k), torch.cat(shards))
+            tol = 1e-4 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(outs[r].double(), full @ ws[r].double(), rtol=tol, atol=tol)
+            assert tp._symmetric["ag_flags"].tolist() == [int(s != r) for s in range(world)]
+            assert not tp._status.any()
+
+
+RS_CASES = [
+    (2, 150, 64, 300, torch.float32, False),
+    (3, 70, 40, 130, torch.float32, True),
+    (2, 1, 48, 20, torch.float32, False),
+    (2, 33, 64, 96, torch.float16, True),       # (the interpreter computes bf16 dots wrongly; fp16 stands in)
+]
+
+
+def run_gemm_rs(ranks, a, ws):
+    world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
+    config = tile_config(m // world, n, a[0].element_size())
+    for tp in ranks:
+        tp._symmetric["rs_flags"].zero_()
+    outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
+    for r, tp in enumerate(ranks):                       # every tile bound for a peer
+        tp._rs_launch(a[r], ws[r], outs[r], config, 0, world - 1)
+    for r, tp in enumerate(ranks):                       # then the own tiles, which wait for the peers'
+        tp._rs_launch(a[r], ws[r], outs[r], config, world - 1, world)
+    return outs
+
+
+@pytest.mark.parametrize("case", range(len(RS_CASES)))
+def test_gemm_reduce_scatter(case):
+    world, rows, k, n, dtype, transposed = RS_CASES[case]
+    m = world * rows
+    ranks = simulated_group(world, m, n, dtype)
+    for call in range(2):
+        g = torch.Generator().manual_seed(call)
+        a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
+        ws = weights(world, k, n, dtype, transposed, seed=20 + call)
+        outs = run_gemm_rs(ranks, a, ws)
+        # the partials in the operands' dtype, summed in fp32 (tolerance: the kernel adds its own first)
+        partials = [(a[r].double() @ ws[r].double()).to(dtype).float() for r in range(world)]
+        total = sum(partials[1:], partials[0])
+        for r, tp in enumerate(ranks):
+            tol = 1e-4 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(outs[r].double(), total[r * rows:(r + 1) * rows].double(), rtol=tol, atol=tol)
+            assert not tp._status.any()
+
+
+def test_a_shard_that_never_lands_times_out_naming_rank_and_peer():
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    shards = [torch.randn(4, 16) for _ in ranks]
+    w = torch.randn(16, 8)
+    for tp in ranks:
+        tp._symmetric["ag_flags"].zero_()
+    ranks[0]._ag_push(shards[0], own_copy=False)             # rank 1 never pushes
+    ranks[0]._ag_compute(shards[0], w)
+    with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank 1"):
+        ranks[0].check()
+    with pytest.raises(CommTimeoutError):                     # the object stays unusable
+        ranks[0].ag_gemm(shards[0], w)
+    ranks[1]._ag_compute(shards[1], w)                        # rank 0's shard did land: no timeout
+    ranks[1].check()
