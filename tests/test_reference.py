@@ -17,7 +17,7 @@ CASES = [
 
 def _round_trip(rank, world, case):
     tokens, hidden, experts, topk, group, drop, one_expert = case
-    tokens = tokens[:world]
+    tokens = (tokens * 2)[:world]
     max_tokens = max(tokens) + 1
     inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=7, drop=drop, one_expert=one_expert)
               for r in range(world)]
@@ -42,7 +42,7 @@ def _round_trip(rank, world, case):
     assert torch.equal(y, expected_combine(rank, world, inputs, experts, group, x.dtype))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_reference_round_trip(world, case):
     run(_round_trip, world, CASES[case])
