@@ -9,8 +9,11 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
   plain       NCCL then cuBLAS (or the reverse), nothing overlapped: the baseline
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
-  ours        moe_ep.AsyncTP with overlap="always" (the Triton kernels), and "auto" (what layers get)
-Speedups are plain / x. Overlap efficiency = (plain - ours) / min(comm, gemm): 1 is a perfect overlap.
+  fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
+  chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers)
+  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice)
+Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
+perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
 Writes tp.json and tp.md under --out; rank 0 prints the table.
 """
 import argparse
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import triton
 
 from moe_ep import AsyncTP, reference, runtime
+from moe_ep.tp import predicted_us
 from moe_ep.timing import median_us
 
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336)]
@@ -74,12 +78,13 @@ def measure(op, shape, tp, fused, iters):
             tp.overlap = mode
             return getattr(tp, op)(a, w)
         return call
-    ours, auto = with_overlap("always"), with_overlap("auto")
     fused_op = fused[0] if op == "ag_gemm" else fused[1]
     row = {"op": op, "M": m, "K": k, "N": n}
-    error = (ours().float() - plain().float()).abs().max().item()
-    row["max_abs_diff_vs_plain"] = error
-    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("ours_us", ours), ("auto_us", auto)]
+    expected = plain().float()
+    for path in ("fused", "chunked"):
+        row[f"{path}_max_abs_diff"] = (with_overlap(path)().float() - expected).abs().max().item()
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("fused_us", with_overlap("fused")),
+               ("chunked_us", with_overlap("chunked")), ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
     for key, fn in timings:
@@ -88,19 +93,24 @@ def measure(op, shape, tp, fused, iters):
             row[key] = median_us(fn, iters, 5)
         except Exception as e:            # a baseline this torch cannot run is reported, not fatal
             row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    for key in ("ours_us", "auto_us", "torch_us"):
+    for key in ("fused_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
-    row["overlap_efficiency"] = (row["plain_us"] - row["ours_us"]) / min(row["comm_us"], row["gemm_us"])
+    best = min(row["fused_us"], row["chunked_us"])
+    row["overlap_efficiency"] = (row["plain_us"] - best) / min(row["comm_us"], row["gemm_us"])
+    local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
     tp.overlap = "auto"
-    row["auto_overlaps"] = tp._use_overlap(op, m, k // world if op == "gemm_rs" else k,
-                                           n // world if op == "ag_gemm" else n)
+    row["auto_path"] = tp._path(op, m, local_k, local_n)
+    predicted = predicted_us(op, m, local_k, local_n, world)
+    row.update({f"predicted_{path}_us": t for path, t in predicted.items()})
     return row
 
 
 def table(rows) -> str:
-    cols = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "ours_us", "auto_us", "torch_speedup",
-            "ours_speedup", "auto_speedup", "overlap_efficiency", "auto_overlaps", "max_abs_diff_vs_plain"]
+    cols = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
+            "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
+            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
+            "chunked_max_abs_diff"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         lines.append("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "-"))

@@ -9,14 +9,19 @@ w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the 
 ``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``); the kernels are in
 ``moe_ep.kernels.ag_gemm`` and ``moe_ep.kernels.gemm_rs``.
 
-Each call picks one of two paths (``overlap``):
-  - overlapped: the Looped-CollectiveEinsum kernels, communication hidden behind the GEMM;
-  - plain: NCCL collective, then cuBLAS (or the reverse), nothing overlapped.
-``overlap="auto"`` takes the overlapped path only where the cost model below predicts a gain,
-so that a call is not slower than the plain path; "always" / "never" force one path.
-``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
+Each call takes one of three paths (``overlap``):
+  - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
+    or stores its partial tiles straight into the peers and sums the peers' tiles into its own
+    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``;
+  - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
+    between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
+  - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
+``overlap="auto"`` (the default) takes the path the cost model below predicts fastest, and an
+overlapped one only where it predicts a gain of 5% or more, so that a call is not slower than
+the plain path. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
+with gloo too).
 
-Every call of the overlapped path begins with a barrier over the group (one small kernel):
+Every call of an overlapped path begins with a barrier over the group (one small kernel):
 buffers are reused from call to call, and a peer may write into them only once this rank is
 done with the previous call. Calls must be made in the same order on every rank.
 """
@@ -31,31 +36,38 @@ import triton
 from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_rs as rs_kernels
-from .kernels.matmul import reset_and_barrier_kernel, tile_config
+from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
 from .runtime import CommTimeoutError
 
 BACKENDS = ("nvshmem", "reference")
-OVERLAP = ("auto", "always", "never")
+OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Cost model of overlap="auto" (H200, 2 GPUs over NVLink): predictions, to be replaced by what
-# benchmarks/bench_tp.py measures. The overlapped path pays when
-#     max(gemm / TRITON_SPEED, link) + OVERHEAD_US  <  gemm + link
+# benchmarks/bench_tp.py measures.
 CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
 TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
 LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
-OVERHEAD_US = 20.0        # barrier launch and flags of one overlapped call
+HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
+OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
 
 _MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
 
 
-def predicted_gain(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> float:
-    """Predicted time of the plain path over the overlapped one for out = [M, K] @ [K, N] per rank
-    (op "ag_gemm": M rows gathered; "gemm_rs": M rows reduced and scattered)."""
-    gemm_us = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
-    moved = (world - 1) / world * m * (k if op == "ag_gemm" else n) * element_size
-    link_us = moved / (LINK_GBPS * 1e3)
-    return (gemm_us + link_us) / (max(gemm_us / TRITON_SPEED, link_us) + OVERHEAD_US)
+def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
+    """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
+    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered).
+
+        never    gemm + link                           one after the other
+        fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
+        chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
+                 (+ one elementwise pass over the W partials for gemm_rs)
+    """
+    gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
+    link = (world - 1) / world * m * (k if op == "ag_gemm" else n) * element_size / (LINK_GBPS * 1e3)
+    reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
+    return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
+            "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
 
 
 class AsyncTP:
@@ -67,7 +79,7 @@ class AsyncTP:
         group: the process group (NVSHMEM backend: the whole default group).
         dtype: dtype of every operand and output (bfloat16, float16 or float32).
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
-        overlap: "auto", "always" or "never" (see the module docstring).
+        overlap: "auto", "fused", "chunked" or "never" (see the module docstring).
         timeout_s: bound of every device-side wait.
     """
 
@@ -185,11 +197,15 @@ class AsyncTP:
         if a.shape[1] != w.shape[0]:
             raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
 
-    def _use_overlap(self, op: str, m: int, k: int, n: int) -> bool:
-        if self.backend == "reference" or self.overlap == "never" or m == 0:
-            return False
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.overlap == "always" or predicted_gain(op, m, k, n, self.world, element_size) > 1.05
+    def _path(self, op: str, m: int, k: int, n: int) -> str:
+        """"never", "fused" or "chunked" for this call (see the module docstring)."""
+        if self.backend == "reference" or m == 0 or n == 0:
+            return "never"
+        if self.overlap != "auto":
+            return self.overlap
+        times = predicted_us(op, m, k, n, self.world, torch.empty((), dtype=self.dtype).element_size())
+        best = min(("fused", "chunked"), key=times.get)
+        return best if times[best] * 1.05 <= times["never"] else "never"
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
@@ -202,11 +218,12 @@ class AsyncTP:
         if m > self.max_rows or k > self.max_features:
             raise ValueError(f"ag_gemm: M={m}, K={k} exceed this AsyncTP's max_rows={self.max_rows} / "
                              f"max_features={self.max_features}")
-        if not self._use_overlap("ag_gemm", m, k, n):
+        path = self._path("ag_gemm", m, k, n)
+        if path == "never":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
         self._start("ag_flags", self.world)
         self._ag_push(a_shard, return_gathered)
-        out = self._ag_compute(a_shard, w)
+        out = (self._ag_fused if path == "fused" else self._ag_chunked)(a_shard, w)
         if self.device.type == "cuda":
             torch.cuda.current_stream().wait_stream(self._copy_stream)
         if return_gathered:
@@ -226,7 +243,7 @@ class AsyncTP:
             if own_copy:
                 self._symmetric["gathered"][mine].view(rows, k).copy_(a_shard)
 
-    def _ag_compute(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _ag_fused(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         rows, k = a_shard.shape
         n = w.shape[1]
         out = torch.empty((rows * self.world, n), dtype=self.dtype, device=self.device)
@@ -239,6 +256,20 @@ class AsyncTP:
             a_shard, self._symmetric["gathered"], w, out, self._symmetric["ag_flags"], self._state,
             self._status.data_ptr(), rows, n, k, self.rank, self.world, int(self.timeout_s * 1e9),
             w.stride(0), w.stride(1), programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+        return out
+
+    def _ag_chunked(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One cuBLAS GEMM per shard: the own shard first, then each shard once it has landed."""
+        rows, k = a_shard.shape
+        out = torch.empty((rows * self.world, w.shape[1]), dtype=self.dtype, device=self.device)
+        for step in range(self.world):
+            shard = (self.rank - step) % self.world
+            if step == 0:
+                a = a_shard
+            else:
+                self._wait_flag("ag_flags", shard, ag_kernels.TAG_SHARD)
+                a = self._symmetric["gathered"][shard * rows * k:(shard + 1) * rows * k].view(rows, k)
+            torch.matmul(a, w, out=out[shard * rows:(shard + 1) * rows])
         return out
 
     # ------------------------------------------------------------------------------------ GEMM reduce-scatter
@@ -257,16 +288,18 @@ class AsyncTP:
                              f"max_features={self.max_features}")
         if self.backend == "reference":
             return reference.gemm_rs(a, w, self.group)
-        if not self._use_overlap("gemm_rs", m, k, n):
-            out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
-            dist.reduce_scatter_tensor(out, a @ w, group=self.group)
-            return out
+        path = self._path("gemm_rs", m, k, n)
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
-        if n == 0:
-            return out
-        config = tile_config(m // self.world, n, a.element_size())
-        self._start("rs_flags", self.world * self._rs_tiles(m, n, config))
-        self._rs_launch(a, w, out, config, 0, self.world)
+        if path == "never":
+            dist.reduce_scatter_tensor(out, a @ w, group=self.group)
+        elif path == "fused":
+            config = tile_config(m // self.world, n, a.element_size())
+            self._start("rs_flags", self.world * self._rs_tiles(m, n, config))
+            self._rs_launch(a, w, out, config, 0, self.world)
+        else:
+            self._start("rs_flags", self.world)
+            self._rs_send_chunked(a, w)
+            self._rs_reduce_chunked(a, w, out)
         return out
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
@@ -283,12 +316,44 @@ class AsyncTP:
             self.world, step_begin, step_end, int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1),
             programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
 
+    def _rs_send_chunked(self, a: torch.Tensor, w: torch.Tensor) -> None:
+        """cuBLAS computes the rows bound for each peer (rank r+1's first) and the copy engine puts
+        them into that peer's `partials[rank]`, raising its flag rs_flags[rank]."""
+        rows, n = a.shape[0] // self.world, w.shape[1]
+        mine = slice(self.rank * rows * n, (self.rank + 1) * rows * n)
+        for step in range(self.world - 1):
+            dest = (self.rank + 1 + step) % self.world
+            part = a[dest * rows:(dest + 1) * rows] @ w
+            with self._on_copy_stream():
+                self._put("partials", mine, part, dest)
+                self._raise_flag("rs_flags", dest, self.rank)
+            if self.device.type == "cuda":
+                part.record_stream(self._copy_stream)
+
+    def _rs_reduce_chunked(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """The own rows' partial, then, once every peer's partials have landed, one fp32 pass summing them."""
+        rows = a.shape[0] // self.world
+        own = a[self.rank * rows:(self.rank + 1) * rows] @ w
+        for src in range(self.world):
+            if src != self.rank:
+                self._wait_flag("rs_flags", src, rs_kernels.TAG_TILE)
+        numel = out.numel()
+        rs_kernels.reduce_partials_kernel[(triton.cdiv(numel, 4096),)](
+            own, self._symmetric["partials"], out, self.rank, self.world, numel, BLOCK=4096, num_warps=8)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
+
     # ------------------------------------------------------------------------------------ launching
 
     def _start(self, flags: str, count: int) -> None:
         """Zero this rank's first `count` flags of `flags`, then a barrier over the group (see the module)."""
         reset_and_barrier_kernel[(1,)](self._symmetric[flags], count, BLOCK=1024, num_warps=4,
                                        extern_libs=runtime.device_library())
+
+    def _wait_flag(self, name: str, peer: int, tag: int) -> None:
+        """Hold the current stream until this rank's flag `name`[peer] is set (bounded, see check())."""
+        wait_flag_kernel[(1,)](self._symmetric[name], peer, self._state, self._status.data_ptr(),
+                               int(self.timeout_s * 1e9), peer, TAG=tag, num_warps=1)
 
     def _on_copy_stream(self):
         if self.device.type != "cuda":

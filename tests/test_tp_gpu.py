@@ -30,9 +30,9 @@ def close(out, expected, dtype, what):
     torch.testing.assert_close(out.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=what)
 
 
-def _kernels_match_reference(rank, world):
+def _kernels_match_reference(rank, world, path):
     for dtype in (torch.bfloat16, torch.float16):
-        tp = AsyncTP(max_rows=world * 1024, max_features=4096, dtype=dtype, overlap="always")
+        tp = AsyncTP(max_rows=world * 1024, max_features=4096, dtype=dtype, overlap=path)
         for i, (rows, k, n) in enumerate(SHAPES):
             for transposed in (False, True):
                 seed = 2 * i + transposed
@@ -40,54 +40,56 @@ def _kernels_match_reference(rank, world):
                 out, gathered = tp.ag_gemm(a, w, return_gathered=True)
                 ref, ref_gathered = reference.ag_gemm(a, w, return_gathered=True)
                 assert torch.equal(gathered, ref_gathered), "gathered A differs"
-                close(out, ref, dtype, lambda m: f"ag_gemm {rows, k, n, dtype, transposed}: {m}")
+                close(out, ref, dtype, lambda m: f"{path} ag_gemm {rows, k, n, dtype, transposed}: {m}")
 
                 a_full, w = operands(rank, world, world * rows, k, n, dtype, transposed, seed)
                 close(tp.gemm_rs(a_full, w), reference.gemm_rs(a_full, w), dtype,
-                      lambda m: f"gemm_rs {rows, k, n, dtype, transposed}: {m}")
+                      lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
         tp.check()
         tp.destroy()
 
 
 def _repeated_calls_and_the_fallback(rank, world):
     dtype, rows, k, n = torch.bfloat16, 256, 1024, 2048
-    always = AsyncTP(world * rows, 2048, overlap="always")
-    never = AsyncTP(world * rows, 2048, overlap="never")
-    for call in range(50):                       # fresh inputs each call, buffers and flags reused
+    paths = {path: AsyncTP(world * rows, 2048, overlap=path) for path in ("fused", "chunked", "never")}
+    for call in range(30):                       # fresh inputs each call, buffers and flags reused
         a, w = operands(rank, world, rows, k, n, dtype, call % 2 == 1, seed=1000 + call)
-        if rank == call % world:
-            torch.cuda._sleep(1_000_000)         # a straggler must not see stale shards or partials
-        ref = reference.ag_gemm(a, w)
-        close(always.ag_gemm(a, w), ref, dtype, lambda m: f"ag_gemm call {call}: {m}")
-        assert torch.equal(never.ag_gemm(a, w), ref), "the fallback is the plain path"
         a_full, _ = operands(rank, world, world * rows, k, n, dtype, False, seed=2000 + call)
-        ref = reference.gemm_rs(a_full, w)
-        close(always.gemm_rs(a_full, w), ref, dtype, lambda m: f"gemm_rs call {call}: {m}")
-        close(never.gemm_rs(a_full, w), ref, dtype, lambda m: f"fallback gemm_rs call {call}: {m}")
-    always.check()
+        ag_ref, rs_ref = reference.ag_gemm(a, w), reference.gemm_rs(a_full, w)
+        for path, tp in paths.items():
+            if rank == call % world:
+                torch.cuda._sleep(1_000_000)     # a straggler must not see stale shards or partials
+            out = tp.ag_gemm(a, w)
+            if path == "never":
+                assert torch.equal(out, ag_ref), "the fallback is the plain path"
+            close(out, ag_ref, dtype, lambda m: f"{path} ag_gemm call {call}: {m}")
+            close(tp.gemm_rs(a_full, w), rs_ref, dtype, lambda m: f"{path} gemm_rs call {call}: {m}")
+    for tp in paths.values():
+        tp.check()
 
-    auto = AsyncTP(world * 8192, 8192, overlap="auto")   # the cost model picks per shape
-    assert not auto._use_overlap("ag_gemm", 2 * world, 128, 128), "tiny shapes take the plain path"
+    auto = AsyncTP(world * 8192, 8192)           # overlap="auto": the cost model picks per shape
+    assert auto._path("ag_gemm", 2 * world, 128, 128) == "never", "tiny shapes take the plain path"
     a, w = operands(rank, world, 4, 256, 512, dtype, False, seed=7)
     close(auto.ag_gemm(a, w), reference.ag_gemm(a, w), dtype, lambda m: f"auto, small: {m}")
 
+    tp = paths["fused"]
     with pytest.raises(ValueError, match="dtype"):
-        always.ag_gemm(a.float(), w)
+        tp.ag_gemm(a.float(), w)
     with pytest.raises(ValueError, match="exceed"):
-        always.ag_gemm(torch.zeros(rows + 1, k, dtype=dtype, device="cuda"), w)
+        tp.ag_gemm(torch.zeros(rows + 1, k, dtype=dtype, device="cuda"), w)
     with pytest.raises(ValueError, match="evenly"):
-        always.gemm_rs(torch.zeros(world * rows - 1, k, dtype=dtype, device="cuda"), w)
+        tp.gemm_rs(torch.zeros(world * rows - 1, k, dtype=dtype, device="cuda"), w)
     with pytest.raises(ValueError, match="columns"):
-        always.gemm_rs(torch.zeros(world * rows, k + 1, dtype=dtype, device="cuda"), w)
-    for tp in (always, never, auto):
+        tp.gemm_rs(torch.zeros(world * rows, k + 1, dtype=dtype, device="cuda"), w)
+    for tp in (*paths.values(), auto):
         tp.destroy()
 
 
 def _timeout_raises(rank, world):
-    tp = AsyncTP(world * 64, 256, overlap="always", timeout_s=0.5)
+    tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=0.5)
     a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=3)
     if rank == 0:
-        tp._ag_compute(a, w)                     # no barrier and no peer pushes: nothing lands
+        tp._ag_fused(a, w)                       # no barrier and no peer pushes: nothing lands
         with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank [1-9]"):
             tp.check()
     dist.barrier()
@@ -113,15 +115,22 @@ def _mlp_matches_unsharded(rank, world):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     mine = slice(rank * m // world, (rank + 1) * m // world)
     expected = mlp(x)[mine]
-    comm = AsyncTP(max_rows=m, max_features=max(hidden, inner), overlap="always")
+    comm = AsyncTP(max_rows=m, max_features=max(hidden, inner))
     tp_mlp = TPMLP.from_mlp(mlp, comm=comm)
-    close(tp_mlp(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP (overlapped): {msg}")
+    for path in ("fused", "chunked", "auto"):
+        comm.overlap = path
+        close(tp_mlp(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP ({path}): {msg}")
     close(TPMLP.from_mlp(mlp)(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP (reference): {msg}")
     comm.check()
     comm.destroy()
 
 
-@pytest.mark.parametrize("body", [_kernels_match_reference, _repeated_calls_and_the_fallback, _timeout_raises,
-                                  _mlp_matches_unsharded], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+def test_kernels_match_reference(path):
+    run(_kernels_match_reference, WORLD, path, gpu=True)
+
+
+@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _timeout_raises, _mlp_matches_unsharded],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_async_tp(body):
     run(body, WORLD, gpu=True)

@@ -4,7 +4,9 @@ Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensor
 views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
 then every rank's pushes (all-gather) or sends (reduce-scatter), then every rank's GEMM or own
-tiles. Results are compared with torch in float64; the kernels sum in fp32.
+tiles. Both overlapped paths run: "fused" (the persistent Triton GEMMs) and "chunked" (one
+GEMM per shard, the bounded wait kernel and the reduction kernel between them). Results are
+compared with torch in float64; the kernels sum in fp32.
 """
 import os
 
@@ -22,7 +24,7 @@ def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0):
     ranks = []
     for rank in range(world):
         tp = AsyncTP.__new__(AsyncTP)
-        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "always", timeout_s)
+        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s)
         tp.group, tp.device = None, torch.device("cpu")
         tp._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
         ranks.append(tp)
@@ -48,8 +50,9 @@ AG_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["fused", "chunked"])
 @pytest.mark.parametrize("case", range(len(AG_CASES)))
-def test_all_gather_gemm(case):
+def test_all_gather_gemm(case, path):
     world, rows, k, n, dtype, transposed = AG_CASES[case]
     ranks = simulated_group(world, world * rows, max(k, n), dtype)
     for call in range(2):                                     # buffers and flags reused by a second call
@@ -60,7 +63,7 @@ def test_all_gather_gemm(case):
             tp._symmetric["ag_flags"].zero_()
         for r, tp in enumerate(ranks):
             tp._ag_push(shards[r], own_copy=True)
-        outs = [tp._ag_compute(shards[r], ws[r]) for r, tp in enumerate(ranks)]
+        outs = [getattr(tp, f"_ag_{path}")(shards[r], ws[r]) for r, tp in enumerate(ranks)]
         full = torch.cat(shards).double()
         for r, tp in enumerate(ranks):
             assert torch.equal(tp._symmetric["gathered"][:world * rows * k].view(-1, k), torch.cat(shards))
@@ -78,21 +81,28 @@ RS_CASES = [
 ]
 
 
-def run_gemm_rs(ranks, a, ws):
+def run_gemm_rs(ranks, a, ws, path):
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
     config = tile_config(m // world, n, a[0].element_size())
     for tp in ranks:
         tp._symmetric["rs_flags"].zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
-    for r, tp in enumerate(ranks):                       # every tile bound for a peer
-        tp._rs_launch(a[r], ws[r], outs[r], config, 0, world - 1)
-    for r, tp in enumerate(ranks):                       # then the own tiles, which wait for the peers'
-        tp._rs_launch(a[r], ws[r], outs[r], config, world - 1, world)
+    for r, tp in enumerate(ranks):                       # every partial bound for a peer
+        if path == "fused":
+            tp._rs_launch(a[r], ws[r], outs[r], config, 0, world - 1)
+        else:
+            tp._rs_send_chunked(a[r], ws[r])
+    for r, tp in enumerate(ranks):                       # then the own rows, which wait for the peers'
+        if path == "fused":
+            tp._rs_launch(a[r], ws[r], outs[r], config, world - 1, world)
+        else:
+            tp._rs_reduce_chunked(a[r], ws[r], outs[r])
     return outs
 
 
+@pytest.mark.parametrize("path", ["fused", "chunked"])
 @pytest.mark.parametrize("case", range(len(RS_CASES)))
-def test_gemm_reduce_scatter(case):
+def test_gemm_reduce_scatter(case, path):
     world, rows, k, n, dtype, transposed = RS_CASES[case]
     m = world * rows
     ranks = simulated_group(world, m, n, dtype)
@@ -100,7 +110,7 @@ def test_gemm_reduce_scatter(case):
         g = torch.Generator().manual_seed(call)
         a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
         ws = weights(world, k, n, dtype, transposed, seed=20 + call)
-        outs = run_gemm_rs(ranks, a, ws)
+        outs = run_gemm_rs(ranks, a, ws, path)
         # the partials in the operands' dtype, summed in fp32 (tolerance: the kernel adds its own first)
         partials = [(a[r].double() @ ws[r].double()).to(dtype).float() for r in range(world)]
         total = sum(partials[1:], partials[0])
@@ -110,17 +120,27 @@ def test_gemm_reduce_scatter(case):
             assert not tp._status.any()
 
 
-def test_a_shard_that_never_lands_times_out_naming_rank_and_peer():
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     shards = [torch.randn(4, 16) for _ in ranks]
     w = torch.randn(16, 8)
     for tp in ranks:
         tp._symmetric["ag_flags"].zero_()
     ranks[0]._ag_push(shards[0], own_copy=False)             # rank 1 never pushes
-    ranks[0]._ag_compute(shards[0], w)
+    getattr(ranks[0], f"_ag_{path}")(shards[0], w)
     with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank 1"):
         ranks[0].check()
     with pytest.raises(CommTimeoutError):                     # the object stays unusable
         ranks[0].ag_gemm(shards[0], w)
-    ranks[1]._ag_compute(shards[1], w)                        # rank 0's shard did land: no timeout
+    getattr(ranks[1], f"_ag_{path}")(shards[1], w)           # rank 0's shard did land: no timeout
     ranks[1].check()
+
+
+def test_partials_that_never_land_time_out():
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0]._rs_reduce_chunked(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
+    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
+        ranks[0].check()

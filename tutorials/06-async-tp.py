@@ -16,11 +16,16 @@ Done naively the GEMM waits for the whole gather, and the reduce-scatter waits f
 whole GEMM. ``moe_ep.AsyncTP`` overlaps them (Looped CollectiveEinsum):
 
 * all-gather GEMM: each rank pushes its rows into its peers' symmetric buffers on the copy
-  engine and raises a flag per shard; a persistent Triton GEMM starts on the local rows and
-  waits, per tile, only for the shard that tile reads;
-* GEMM reduce-scatter: the rows bound for the next rank are computed first and stored
-  straight into that rank's buffer over NVLink, one flag per tile; each rank computes its
-  own rows last and adds the peers' partial tiles in fp32 as it goes.
+  engine and raises a flag per shard; the GEMM starts on the local rows and takes each
+  other shard once its flag is up;
+* GEMM reduce-scatter: the rows bound for the next rank are computed first and sent to it
+  while the rest is computed; each rank computes its own rows last and adds the peers'
+  partials in fp32.
+
+Two ways to run the GEMM side: "fused", one persistent Triton GEMM that waits per tile
+(reduce-scatter: stores its partial tiles straight into the peer over NVLink), and
+"chunked", one cuBLAS GEMM per shard. ``overlap="auto"`` picks per shape, or the plain path
+where overlap cannot pay.
 
 This tutorial shards an MLP with ``TPMLP.from_mlp``, checks it against the unsharded
 module, and times the overlapped layer against the plain path (NCCL, then cuBLAS). Without
@@ -69,16 +74,17 @@ def main():
 
     if gpu:
         plain = TPMLP.from_mlp(mlp)                              # comm=None: NCCL then cuBLAS
-        overlapped = TPMLP.from_mlp(mlp, comm=AsyncTP(rows, hidden, overlap="always"))
+        times = {}
         with torch.no_grad():
-            times = {name: median_us(lambda: layer(x[mine]), 20, 3)
-                     for name, layer in (("plain", plain), ("auto", tp_mlp), ("overlapped", overlapped))}
+            times["plain"] = median_us(lambda: plain(x[mine]), 20, 3)
+            for path in ("fused", "chunked", "auto"):
+                comm.overlap = path
+                times[path] = median_us(lambda: tp_mlp(x[mine]), 20, 3)
         if rank == 0:
             print(f"MLP forward, {rows} tokens, hidden {hidden}, intermediate {intermediate}, tp {world}: "
                   + ", ".join(f"{k} {v:.0f} us" for k, v in times.items())
-                  + f" (plain / overlapped = {times['plain'] / times['overlapped']:.2f}x; "
+                  + f" (plain / auto = {times['plain'] / times['auto']:.2f}x; "
                   "benchmarks/bench_tp.py has the per-GEMM comparison)")
-        overlapped.gate_up_proj.comm.destroy()
         comm.destroy()
     runtime.finalize()
     dist.destroy_process_group()

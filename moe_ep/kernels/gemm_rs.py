@@ -15,6 +15,9 @@ Own tiles come last in every program, after all the tiles it sends, so every til
 waits for comes earlier in some peer program's order: with every program resident (the grid
 is at most the SM count) no wait can close a cycle.
 
+``reduce_partials_kernel`` is the last step of the chunked variant (``moe_ep.tp``), where
+cuBLAS computes the partials and the copy engine moves them: the same sums, in the same order.
+
 Reference: ``moe_ep.reference.gemm_rs`` (the same partials, rounded the same way, summed in fp32;
 its order of summation is NCCL's).
 """
@@ -25,7 +28,7 @@ from ..shmem import signal_add, wait_until_ge
 from .matmul import matmul_tile, tile_coords
 
 TAG_TILE = tl.constexpr(6)
-TAGS = {6: "GEMM reduce-scatter (waiting for a peer's partial tile)"}
+TAGS = {6: "GEMM reduce-scatter (waiting for a peer's partials)"}
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
@@ -75,3 +78,17 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
                         failed = tl.where(landed, 0, 1)
                     total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rank", "world", "numel"])
+def reduce_partials_kernel(own, partials, out, rank, world, numel, BLOCK: tl.constexpr):
+    """out = own + sum over src != rank of partials[src], in fp32 (own first, then rank order).
+
+    own, out: [numel] in the output dtype; partials: [world, numel] (symmetric, the peers' slots)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.load(own + offs, mask=mask, other=0.0).to(tl.float32)
+    for src in range(0, world):
+        if src != rank:
+            total += tl.load(partials + src * numel + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + offs, total.to(out.dtype.element_ty), mask=mask)

@@ -1,5 +1,6 @@
 """What the two async-TP GEMMs (``ag_gemm``, ``gemm_rs``) share: the tile loop, the tile order
-inside a shard, the tile shapes, and the per-call reset of their arrival flags.
+inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded wait
+that a stream can be held on between two cuBLAS calls).
 
 Both kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import shmem
+from ..shmem import wait_until_ge
 
 
 @triton.jit
@@ -69,6 +71,16 @@ def reset_and_barrier_kernel(flags, count, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         tl.store(flags + offs, tl.zeros((BLOCK,), tl.int64), mask=offs < count)
     shmem.barrier_all_block()
+
+
+@triton.jit(do_not_specialize=["index", "peer"])
+def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl.constexpr):
+    """Hold the stream until flags[index] >= 1, for at most timeout_ns (one program, one warp).
+
+    Launched between two GEMMs of the chunked paths: it occupies one SM slot while the stream
+    has nothing else to run, and a timeout lands in the status like any other wait.
+    """
+    wait_until_ge(flags + index, 1, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), peer, TAG, state)
 
 
 def tile_config(rows: int, n: int, element_size: int) -> dict:
