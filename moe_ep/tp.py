@@ -247,8 +247,6 @@ class AsyncTP:
         rows, k = a_shard.shape
         n = w.shape[1]
         out = torch.empty((rows * self.world, n), dtype=self.dtype, device=self.device)
-        if rows == 0 or n == 0:
-            return out
         config = tile_config(rows, n, a_shard.element_size())
         tiles = self.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         programs = min(self._programs, tiles)
@@ -276,7 +274,8 @@ class AsyncTP:
 
     def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
-        of the sum over ranks of a @ w)."""
+        of the sum over ranks of a @ w). The overlapped paths sum the partials in fp32; the plain
+        path reduces in the dtype, as NCCL does (the same result for two ranks)."""
         self._raise_if_failed()
         self._check_operands("gemm_rs", a, w)
         m, k = a.shape

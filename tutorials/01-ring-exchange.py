@@ -27,7 +27,6 @@ reference path, an ``all_gather`` from which each rank keeps its predecessor's b
 import torch
 import torch.distributed as dist
 import triton
-import triton.language as tl
 
 from moe_ep import runtime, shmem
 
