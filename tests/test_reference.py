@@ -42,7 +42,16 @@ def _round_trip(rank, world, case):
     assert torch.equal(y, expected_combine(rank, world, inputs, experts, group, x.dtype))
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+def _round_trips(rank, world, cases):
+    for case in cases:
+        _round_trip(rank, world, case)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_reference_round_trip(world, case):
-    run(_round_trip, world, CASES[case])
+    run(_round_trips, world, [CASES[case]])
+
+
+def test_reference_round_trips_at_8_ranks():
+    run(_round_trips, 8, CASES)              # one job for every case: starting 8 processes is the slow part
