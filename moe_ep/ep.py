@@ -27,7 +27,6 @@ import triton
 
 from . import reference, runtime
 from .kernels import all_to_all as kernels
-from .runtime import CommTimeoutError
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
@@ -46,7 +45,7 @@ class EPHandle:
     reference: reference.ReferenceHandle | None = field(default=None, repr=False)
 
 
-class EPAllToAll:
+class EPAllToAll(runtime.CommObject):
     """Expert-parallel dispatch/combine for one MoE layer shape (collective constructor).
 
     Args:
@@ -62,6 +61,8 @@ class EPAllToAll:
         validate: check topk_ids values (costs a device-to-host copy per dispatch).
     """
 
+    TAGS = kernels.TAGS
+
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True):
@@ -69,16 +70,10 @@ class EPAllToAll:
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
                         dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate)
-        self.group = group
-        if backend == "reference":
-            self.device = torch.device("cuda", torch.cuda.current_device()) \
-                if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        sms = self._open(group, backend)
+        if sms is None:
             return
-        runtime.init(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
-        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)          # the same grids on every rank
-        self._allocate(runtime.symmetric_zeros, programs=4 * int(sms.item()))
+        self._allocate(runtime.symmetric_zeros, programs=4 * sms)
         self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
@@ -149,33 +144,10 @@ class EPAllToAll:
                                      "nvshmem backend needs every rank in one NVLink domain (use backend='reference')")
             self._peers[name] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
 
-    def destroy(self) -> None:
-        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
-        if self._symmetric:
-            runtime.barrier()
-            for buf in self._symmetric.values():
-                runtime.free(buf)
-            self._symmetric.clear()
-        self._broken = "destroyed"
-
     # ------------------------------------------------------------------------------------ checks
 
-    def check(self) -> None:
-        """Wait for the device, then raise CommTimeoutError if any wait of this object timed out."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._broken == "destroyed":
-            raise RuntimeError("this EPAllToAll was destroyed")
-        if self._broken:
-            raise CommTimeoutError(self._broken)
-        message = self.backend == "nvshmem" and runtime.timeout_message(self._status, self.rank, kernels.TAGS,
-                                                                         self.timeout_s)
-        if message:
-            self._broken = f"{message}; calls {self._calls}"
-            raise CommTimeoutError(self._broken)
+    def _context(self) -> str:
+        return f"; calls {self._calls}"
 
     def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:
         _expect_tensor("x", x, self.device, (self.dtype,), dim=2)

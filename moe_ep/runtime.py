@@ -28,7 +28,7 @@ import torch.distributed as dist
 __all__ = [
     "NvshmemUnavailable", "init_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
     "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
-    "timeout_message", "stream_write_value", "put_on_stream",
+    "timeout_message", "stream_write_value", "put_on_stream", "CommObject",
 ]
 
 HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
@@ -62,6 +62,60 @@ def timeout_message(status: torch.Tensor, rank: int, tags: dict[int, str], timeo
         return None
     return (f"rank {rank}: {tags.get(tag, 'wait')} timed out after {timeout_s}s waiting for rank {peer} "
             f"(signal count {seen}, expected {target})")
+
+
+class CommObject:
+    """What the host objects (EPAllToAll, AsyncTP) share: symmetric buffers that destroy() frees,
+    and the status of their kernels' bounded waits, which check() turns into CommTimeoutError.
+
+    Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32[5], see moe_ep.shmem),
+    `_broken` (None), `rank`, `backend`, `timeout_s`, and TAGS (status tag -> what was waited for).
+    """
+
+    TAGS: dict[int, str] = {}
+
+    def _open(self, group, backend: str) -> int | None:
+        """Set `group` and `device`. For the nvshmem backend, start NVSHMEM and return the smallest SM
+        count in the group (grids must be the same on every rank); None for the reference backend."""
+        self.group = group
+        if backend == "reference":
+            nccl = dist.get_backend(group) == "nccl"
+            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            return None
+        init(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+        return int(sms.item())
+
+    def destroy(self) -> None:
+        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
+        if self._symmetric:
+            barrier()
+            for buf in self._symmetric.values():
+                free(buf)
+            self._symmetric.clear()
+        self._broken = "destroyed"
+
+    def check(self) -> None:
+        """Wait for the device, then raise CommTimeoutError if a wait of this object timed out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._raise_if_failed()
+
+    def _context(self) -> str:
+        """What to add to a timeout message (e.g. call counts)."""
+        return ""
+
+    def _raise_if_failed(self) -> None:
+        if self._broken == "destroyed":
+            raise RuntimeError(f"this {type(self).__name__} was destroyed")
+        if self._broken:
+            raise CommTimeoutError(self._broken)
+        message = self.backend == "nvshmem" and timeout_message(self._status, self.rank, self.TAGS, self.timeout_s)
+        if message:
+            self._broken = message + self._context()
+            raise CommTimeoutError(self._broken)
 
 
 _state = {"initialized": False, "hook_installed": False}

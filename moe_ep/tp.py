@@ -37,7 +37,6 @@ from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_rs as rs_kernels
 from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
-from .runtime import CommTimeoutError
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
@@ -70,7 +69,7 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
             "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
 
 
-class AsyncTP:
+class AsyncTP(runtime.CommObject):
     """All-gather GEMM and GEMM reduce-scatter over one process group (collective constructor).
 
     Args:
@@ -83,22 +82,18 @@ class AsyncTP:
         timeout_s: bound of every device-side wait.
     """
 
+    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS}
+
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_rows, max_features, dtype, backend,
                         overlap, timeout_s)
-        self.group = group
-        if backend == "reference":
-            self.device = torch.device("cuda", torch.cuda.current_device()) \
-                if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        sms = self._open(group, backend)
+        if sms is None:
             return
-        runtime.init(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
-        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
-        self._allocate(runtime.symmetric_zeros, programs=int(sms.item()))
+        self._allocate(runtime.symmetric_zeros, programs=sms)
         self._connect(lambda name, buf: [buf if r == self.rank else runtime.peer_tensor(buf, r)
                                          for r in range(self.world)])
         self._copy_stream = torch.cuda.Stream(self.device)
@@ -151,34 +146,6 @@ class AsyncTP:
             views = peer_views(name, buf)
             self._views[name] = views
             self._peers[name] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
-
-    def destroy(self) -> None:
-        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
-        if self._symmetric:
-            runtime.barrier()
-            for buf in self._symmetric.values():
-                runtime.free(buf)
-            self._symmetric.clear()
-        self._broken = "destroyed"
-
-    # ------------------------------------------------------------------------------------ checks
-
-    def check(self) -> None:
-        """Wait for the device, then raise CommTimeoutError if a wait of this object timed out."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._broken == "destroyed":
-            raise RuntimeError("this AsyncTP was destroyed")
-        if self._broken:
-            raise CommTimeoutError(self._broken)
-        message = self.backend == "nvshmem" and runtime.timeout_message(
-            self._status, self.rank, {**ag_kernels.TAGS, **rs_kernels.TAGS}, self.timeout_s)
-        if message:
-            self._broken = message
-            raise CommTimeoutError(message)
 
     def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
         for name, t in (("a", a), ("w", w)):

@@ -1,9 +1,11 @@
-"""Inputs and a brute-force oracle shared by the EP tests.
+"""Inputs and a brute-force oracle shared by the EP tests, and the model pieces the TP tests shard.
 
 Every rank can rebuild every other rank's inputs from (seed, rank), so the expected result
 of a dispatch or combine is computed token by token here, independently of moe_ep.reference.
 """
 import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 from moe_ep.routing import random_topk
@@ -66,3 +68,8 @@ def expected_combine(rank, world, inputs, num_experts, group, dtype):
             if routed:
                 y[t] += acc.to(dtype).float()
     return y.to(dtype)
+
+
+def llama_mlp(hidden, intermediate):
+    """The MLP of a transformers Llama model (gate_proj, up_proj, down_proj, SiLU), as TPMLP takes it."""
+    return LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu"))

@@ -7,8 +7,8 @@ on inputs of unit scale divided by sqrt(K).
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from cases import llama_mlp
 from distributed import run
 from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
 
@@ -96,22 +96,10 @@ def _timeout_raises(rank, world):
     tp.destroy()
 
 
-class LlamaStyleMLP(nn.Module):
-    def __init__(self, hidden, intermediate):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 def _mlp_matches_unsharded(rank, world):
     torch.manual_seed(0)
     hidden, inner, m = 1024, 2816 * world // 2, 1000 * world
-    mlp = LlamaStyleMLP(hidden, inner).cuda().to(torch.bfloat16)
+    mlp = llama_mlp(hidden, inner).cuda().to(torch.bfloat16)
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     mine = slice(rank * m // world, (rank + 1) * m // world)
     expected = mlp(x)[mine]

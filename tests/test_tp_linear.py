@@ -4,21 +4,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
 from moe_ep.tp import predicted_us
-
-
-class LlamaStyleMLP(nn.Module):
-    def __init__(self, hidden, intermediate):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _layers_match(rank, world):
@@ -37,7 +26,7 @@ def _layers_match(rank, world):
     h = torch.randn(m, inner)
     torch.testing.assert_close(tp_row(h[:, rank * width:(rank + 1) * width]), row(h)[mine], rtol=1e-5, atol=1e-5)
 
-    mlp = LlamaStyleMLP(hidden, inner)
+    mlp = llama_mlp(hidden, inner)
     tp_mlp = TPMLP.from_mlp(mlp)
     torch.testing.assert_close(tp_mlp(x[mine].reshape(2, -1, hidden)).reshape(-1, hidden), mlp(x)[mine],
                                rtol=1e-5, atol=1e-5)

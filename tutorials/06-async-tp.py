@@ -27,28 +27,17 @@ Two ways to run the GEMM side: "fused", one persistent Triton GEMM that waits pe
 "chunked", one cuBLAS GEMM per shard. ``overlap="auto"`` picks per shape, or the plain path
 where overlap cannot pay.
 
-This tutorial shards an MLP with ``TPMLP.from_mlp``, checks it against the unsharded
+This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks it against the unsharded
 module, and times the overlapped layer against the plain path (NCCL, then cuBLAS). Without
 GPUs it runs the reference path on gloo.
 """
 import torch
 import torch.distributed as dist
-from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from moe_ep import TPMLP, AsyncTP, runtime
 from moe_ep.timing import median_us
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden, intermediate):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def main():
@@ -59,7 +48,8 @@ def main():
     dtype = torch.bfloat16 if gpu else torch.float32
 
     torch.manual_seed(0)                                         # the same full MLP on every rank
-    mlp = MLP(hidden, intermediate).to(device, dtype)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu")
+    mlp = LlamaMLP(config).to(device, dtype)                     # the MLP of a transformers Llama model
     x = torch.randn(rows, hidden, device=device, dtype=dtype)
     mine = slice(rank * rows // world, (rank + 1) * rows // world)   # sequence parallel: my rows
 
