@@ -17,6 +17,10 @@ nothing else from the package.
 Kernels that call NVSHMEM device functions (``moe_ep.shmem``) are launched with
 ``extern_libs=runtime.device_library()``; a Triton post-compile hook installed by
 ``init`` runs ``nvshmemx_cumodule_init`` on every such module before its first launch.
+
+Host-side moves that use no SM: ``put_on_stream`` (copy engine) and ``stream_write_value``
+(a flag written by the stream itself). ``CommObject`` is the base of the objects that own
+symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError.
 """
 from __future__ import annotations
 
