@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The whole GPU suite and the benchmarks in one command, for a machine with >= 2 GPUs:
 #
-#     bash scripts/gpu_suite.sh OUTDIR [tests] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]   (default: all)
+#     bash scripts/gpu_suite.sh OUTDIR [tests] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]   (default: all)
 #
-# `tests` runs the tests marked gpu, `tests_cpu` the others (CI runs those too). A device call
-# lasts at most 10 minutes: run `tests`, then `tutorials bench_moe`, then `bench_ep`, then `bench_tp`.
+# `tests` runs the tests marked gpu but the async-TP ones, `tests_tp` those, `tests_cpu` the others
+# (CI runs those too). A device call lasts at most 10 minutes: run `tests`, then `tests_tp`, then
+# `tutorials bench_moe`, then `bench_ep`, then `bench_tp`.
 # Every step runs under `timeout`; logs, JSON and plots land in OUTDIR. If nvshmem4py is not
 # importable and wheels lie in .whl/, they are installed into /tmp/site first.
 # The exit status is non-zero if any step failed.
 set -uo pipefail
-out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]}"
+out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]}"
 shift
-parts="${*:-tests tests_cpu tutorials bench_ep bench_moe bench_tp}"
+parts="${*:-tests tests_tp tests_cpu tutorials bench_ep bench_moe bench_tp}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
 
@@ -39,7 +40,8 @@ step() {   # step NAME SECONDS command...
 }
 for part in $parts; do
   case "$part" in
-    tests) step pytest 540 python3 -m pytest -q -rs -m gpu tests ;;
+    tests) step pytest 540 python3 -m pytest -q -rs -m gpu --ignore tests/test_tp_gpu.py tests ;;
+    tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;
     tests_cpu) step pytest_cpu 540 python3 -m pytest -q -rs -m "not gpu" tests ;;
     tutorials) step tutorial01 60 bash launch.sh tutorials/01-ring-exchange.py
                step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py
