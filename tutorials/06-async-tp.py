@@ -27,9 +27,9 @@ Two ways to run the GEMM side: "fused", one persistent Triton GEMM that waits pe
 "chunked", one cuBLAS GEMM per shard. ``overlap="auto"`` picks per shape, or the plain path
 where overlap cannot pay.
 
-This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks it against the unsharded
-module, and times the overlapped layer against the plain path (NCCL, then cuBLAS). Without
-GPUs it runs the reference path on gloo.
+This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks it
+against the unsharded module, and times the overlapped layer against the plain path (NCCL,
+then cuBLAS). Without GPUs it runs the reference path on gloo.
 """
 import torch
 import torch.distributed as dist
