@@ -12,16 +12,14 @@ Bytes over NVLink count FP8 payload and scales (dispatch) or bf16 rows (combine)
 `--sweep` also times 16 to 4096 tokens per rank and draws latency.png.
 Writes results.json and results.md under --out; rank 0 prints the table.
 """
-import argparse
-import datetime
 import json
 import os
+
 import torch
 import torch.distributed as dist
-import triton
 
 from moe_ep import EPAllToAll, link_copies, random_topk, runtime
-from moe_ep.timing import median_us
+from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 
@@ -97,16 +95,10 @@ def measure(tokens: int, iters: int, full: bool) -> dict:
     return out
 
 
-def table(rows) -> str:
-    cols = ["tokens", "dispatch_kernel_us", "dispatch_graph_us", "dispatch_eager_us", "nccl_dispatch_us",
-            "dispatch_speedup_vs_nccl", "combine_kernel_us", "combine_graph_us", "combine_eager_us",
-            "nccl_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_MB_one_copy_per_expert",
-            "dispatch_link_GBps", "combine_link_GBps"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in rows:
-        lines.append("| " + " | ".join(f"{row[c]:.1f}" if isinstance(row.get(c), float) else str(row.get(c, "-"))
-                                       for c in cols) + " |")
-    return "\n".join(lines)
+COLUMNS = ["tokens", "dispatch_kernel_us", "dispatch_graph_us", "dispatch_eager_us", "nccl_dispatch_us",
+           "dispatch_speedup_vs_nccl", "combine_kernel_us", "combine_graph_us", "combine_eager_us",
+           "nccl_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_MB_one_copy_per_expert",
+           "dispatch_link_GBps", "combine_link_GBps"]
 
 
 def plot(rows, path):
@@ -131,24 +123,13 @@ def plot(rows, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/out")
-    parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
-    runtime.init_distributed()
+    args = benchmark_args(__doc__, iters=100, sweep="also time 16 to 4096 tokens per rank and draw latency.png")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_all_to_all.py needs GPUs")
-    meta = {"device": torch.cuda.get_device_name(), "world": world,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
+    meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": [], "sweep": []}
     plan = [("settings", 128, args.iters, True), ("settings", 4096, args.iters // 2, True)]
     if args.sweep:
         plan += [("sweep", t, args.iters // 2, False) for t in (16, 64, 256, 1024, 4096)]
-    os.makedirs(args.out, exist_ok=True)
     for part, tokens, iters, full in plan:        # results are written as they come: a cut run keeps them
         results[part].append(measure(tokens, iters, full))
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
@@ -158,9 +139,9 @@ def main():
                 json.dump({**meta, **results}, f, indent=1)
     if rank == 0:
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
-                f"Decode (128 tokens/rank) and prefill (4096), times in us (rank 0):\n\n{table(results['settings'])}\n")
+                f"Decode (128 tokens/rank) and prefill (4096), times in us (rank 0):\n\n{markdown_table(results['settings'], COLUMNS)}\n")
         if args.sweep:
-            text += f"\nSweep (graph timings):\n\n{table(results['sweep'])}\n"
+            text += f"\nSweep (graph timings):\n\n{markdown_table(results['sweep'], COLUMNS)}\n"
             plot(results["sweep"], os.path.join(args.out, "latency.png"))
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(text)

@@ -6,7 +6,6 @@ Layer: hidden 7168, intermediate 2048, 256 experts, top-8, bf16 weights, FP8 dis
 4096 tokens per rank. Also the masked grouped GEMM alone: TFLOP/s over the counted rows, against a
 per-expert torch matmul loop on the same rows. Medians of CUDA-event times; writes moe_layer.json.
 """
-import argparse
 import json
 import os
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from moe_ep import EPMoE, random_topk, runtime
 from moe_ep.kernels.grouped_gemm import grouped_gemm
-from moe_ep.timing import median_us
+from moe_ep.timing import benchmark_args, environment, median_us
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 7168, 2048, 256, 8
 
@@ -58,13 +57,9 @@ def grouped_gemm_times(tokens: int, iters: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/out")
-    parser.add_argument("--iters", type=int, default=30)
-    args = parser.parse_args()
-    runtime.init_distributed()
+    args = benchmark_args(__doc__, iters=30)
     rank = dist.get_rank()
-    results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(), "rows": []}
+    results = {**environment(), "rows": []}
     for tokens in (128, 4096):
         row = {"tokens": tokens, "grouped_gemm": grouped_gemm_times(tokens, args.iters)}
         for backend in ("nvshmem", "reference"):
@@ -72,7 +67,6 @@ def main():
         results["rows"].append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
-            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
                 json.dump(results, f, indent=1)
     runtime.finalize()

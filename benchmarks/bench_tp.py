@@ -16,19 +16,16 @@ Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, 
 perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
 Writes tp.json and tp.md under --out; rank 0 prints the table.
 """
-import argparse
-import datetime
 import json
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
-import triton
 
 from moe_ep import AsyncTP, reference, runtime
 from moe_ep.tp import predicted_us
-from moe_ep.timing import median_us
+from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336)]
 
@@ -112,36 +109,21 @@ def measure(op, shape, tp, fused, iters):
     return row
 
 
-def table(rows) -> str:
-    cols = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
-            "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
-            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
-            "chunked_max_abs_diff"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in rows:
-        lines.append("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "-"))
-                                       for c in cols) + " |")
-    return "\n".join(lines)
+COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
+           "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
+           "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
+           "chunked_max_abs_diff"]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/out")
-    parser.add_argument("--iters", type=int, default=30)
-    args = parser.parse_args()
-    runtime.init_distributed()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_tp.py needs GPUs")
+    args = benchmark_args(__doc__, iters=30)
     rank, world = dist.get_rank(), dist.get_world_size()
-    meta = {"device": torch.cuda.get_device_name(), "world": world,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "triton": triton.__version__}
+    meta = environment()
     max_rows = max(m for m, _, _ in SHAPES)
     max_features = max(max(k, n) for _, k, n in SHAPES)
     tp = AsyncTP(max_rows, max_features)
     fused = torch_fused_ops()
     rows = []
-    os.makedirs(args.out, exist_ok=True)
     for op in ("ag_gemm", "gemm_rs"):
         for shape in SHAPES:
             rows.append(measure(op, shape, tp, fused, args.iters))
@@ -152,7 +134,7 @@ def main():
     tp.check()
     if rank == 0:
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
-                f"times in us (rank 0)\n\n{table(rows)}\n")
+                f"times in us (rank 0)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n")
         with open(os.path.join(args.out, "tp.md"), "w") as f:
             f.write(text)
         print(text)

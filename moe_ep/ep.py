@@ -150,15 +150,15 @@ class EPAllToAll(runtime.CommObject):
         return f"; calls {self._calls}"
 
     def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:
-        _expect_tensor("x", x, self.device, (self.dtype,), dim=2)
+        self._expect("x", x, (self.dtype,), dim=2)
         tokens = x.shape[0]
         if x.shape[1] != self.hidden:
             raise ValueError(f"x has hidden size {x.shape[1]}, this EPAllToAll was built for {self.hidden}")
         if tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens is more than max_tokens={self.max_tokens}")
-        _expect_tensor("topk_ids", topk_ids, self.device, (torch.int32, torch.int64), shape=(tokens, self.topk))
-        _expect_tensor("topk_weights", topk_weights, self.device, (torch.float32, torch.bfloat16, torch.float16),
-                       shape=(tokens, self.topk))
+        self._expect("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(tokens, self.topk))
+        self._expect("topk_weights", topk_weights, (torch.float32, torch.bfloat16, torch.float16),
+                     shape=(tokens, self.topk))
         if self.validate and tokens and not _capturing():
             low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
             if low < -1 or high >= self.num_experts:
@@ -218,8 +218,7 @@ class EPAllToAll(runtime.CommObject):
         """expert_out [E_loc, W*T_max, H] in the layout of recv_x, dtype `dtype` -> y [T, H]."""
         self._raise_if_failed()
         rows = self.world * self.max_tokens
-        _expect_tensor("expert_out", expert_out, self.device, (self.dtype,),
-                       shape=(self.experts_per_rank, rows, self.hidden))
+        self._expect("expert_out", expert_out, (self.dtype,), shape=(self.experts_per_rank, rows, self.hidden))
         if not isinstance(handle, EPHandle) or not handle.received:
             raise ValueError("combine needs the handle of a dispatch whose receive has completed")
         if self._calls["dispatch"] >= handle.call + _SLOTS:
@@ -284,21 +283,6 @@ class EPAllToAll(runtime.CommObject):
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _expect_tensor(name, t, device, dtypes, dim=None, shape=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,

@@ -64,7 +64,7 @@ def _bytes_to_rows(rows: torch.Tensor, specs):
     """Inverse of _rows_to_bytes: specs = [(dtype, per-row shape), ...]."""
     out, start = [], 0
     for dtype, shape in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         out.append(rows[:, start:start + nbytes].contiguous().view(dtype).reshape(rows.shape[0], *shape))
         start += nbytes
     return out

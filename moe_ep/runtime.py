@@ -32,7 +32,7 @@ import torch.distributed as dist
 __all__ = [
     "NvshmemUnavailable", "init_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
     "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
-    "timeout_message", "stream_write_value", "put_on_stream", "CommObject",
+    "stream_write_value", "put_on_stream", "CommObject",
 ]
 
 HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
@@ -56,16 +56,6 @@ class NvshmemUnavailable(RuntimeError):
 
 class CommTimeoutError(RuntimeError):
     """A device-side wait ran past its bound; the object that raised it cannot be used again."""
-
-
-def timeout_message(status: torch.Tensor, rank: int, tags: dict[int, str], timeout_s: float) -> str | None:
-    """What a kernel's int32 status [code, peer, tag, value seen, target] (``moe_ep.shmem``) reports,
-    or None when no wait timed out."""
-    code, peer, tag, seen, target = status.tolist()
-    if not code:
-        return None
-    return (f"rank {rank}: {tags.get(tag, 'wait')} timed out after {timeout_s}s waiting for rank {peer} "
-            f"(signal count {seen}, expected {target})")
 
 
 class CommObject:
@@ -112,14 +102,32 @@ class CommObject:
         return ""
 
     def _raise_if_failed(self) -> None:
+        """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout."""
         if self._broken == "destroyed":
             raise RuntimeError(f"this {type(self).__name__} was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
-        message = self.backend == "nvshmem" and timeout_message(self._status, self.rank, self.TAGS, self.timeout_s)
-        if message:
-            self._broken = message + self._context()
+        if self.backend == "nvshmem" and int(self._status[0]):
+            _, peer, tag, seen, target = self._status.tolist()
+            self._broken = (f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
+                            f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")
             raise CommTimeoutError(self._broken)
+
+    def _expect(self, name: str, t, dtypes, dim=None, shape=None, contiguous: bool = True) -> None:
+        """ValueError unless `t` is a tensor on this object's device with one of `dtypes` (and the
+        given dim, shape, contiguity): checked before any launch."""
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, expected {self.device}")
+        if dim is not None and t.dim() != dim:
+            raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
 
 
 _state = {"initialized": False, "hook_installed": False}
@@ -213,7 +221,7 @@ def symmetric_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     if not _state["initialized"]:
         raise RuntimeError("call moe_ep.runtime.init() before allocating symmetric memory")
     core, _ = _nvshmem()
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     used = sum(t.numel() * t.element_size() for t in _owned.values())
     message = (f"symmetric allocation of {nbytes / 2**20:.1f} MiB with {used / 2**20:.1f} MiB in use does not fit "
                f"the symmetric heap of {heap_size() / 2**20:.0f} MiB: raise {HEAP_VARIABLE} (launch.sh --heap) "

@@ -148,17 +148,8 @@ class AsyncTP(runtime.CommObject):
             self._peers[name] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
 
     def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
-        for name, t in (("a", a), ("w", w)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise ValueError(f"{op}: {name} has dtype {t.dtype}, this AsyncTP was built for {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{op}: {name} is on {t.device}, expected {self.device}")
-            if t.dim() != 2:
-                raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
-        if not a.is_contiguous():
-            raise ValueError(f"{op}: a must be contiguous")
+        self._expect(f"{op}: a", a, (self.dtype,), dim=2)
+        self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
         if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
             raise ValueError(f"{op}: w spans 2**31 elements or more; the kernels use 32-bit offsets")
         if a.shape[1] != w.shape[0]:
@@ -170,7 +161,7 @@ class AsyncTP(runtime.CommObject):
             return "never"
         if self.overlap != "auto":
             return self.overlap
-        times = predicted_us(op, m, k, n, self.world, torch.empty((), dtype=self.dtype).element_size())
+        times = predicted_us(op, m, k, n, self.world, self.dtype.itemsize)
         best = min(("fused", "chunked"), key=times.get)
         return best if times[best] * 1.05 <= times["never"] else "never"
 
