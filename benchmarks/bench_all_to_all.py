@@ -1,31 +1,41 @@
-"""EP dispatch/combine latency: moe_ep's NVSHMEM kernels against the reference path on NCCL, in one run.
+"""EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
-    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep]
+    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep] [--breakdown]
 
-Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch, bf16 combine.
-Settings: decode (128 tokens per rank) and prefill (4096). For each, three timings of ours:
-  eager     median of CUDA-event times of single calls, back to back, warm-up excluded
-  graph     a CUDA graph of 10 back-to-back calls, replayed; median time / 10 (no launch overhead)
-  kernels   mean device time of our kernels per call, from the profiler (send + receive kernel)
-and the NCCL path (``backend="reference"``, all_to_all_single with uneven splits) in eager mode.
-Bytes over NVLink count FP8 payload and scales (dispatch) or bf16 rows (combine) that leave the GPU.
-`--sweep` also times 16 to 4096 tokens per rank and draws latency.png.
-Writes results.json and results.md under --out; rank 0 prints the table.
+Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
+combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Timings of ours:
+  graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
+  eager     one call after a barrier, CUDA events; median
+  host      CPU time from entering a call to its return, with the GPU busy; median
+  kernels   mean device time of our two kernels per call, from the profiler
+and, in the same process, eager:
+  nccl       what a plain PyTorch user writes: quantize, pack each token once per destination rank,
+             exchange counts (one host sync), one all_to_all_single of packed rows, index work to
+             put rows in expert order (combine: the weighted sums per (token, rank), one
+             all_to_all_single back, an index_add)
+  reference  moe_ep.reference, the test oracle (all_to_all_single of (token, expert) rows)
+Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
+destination rank) over the kernel time. `--breakdown` reruns the decode settings with device
+timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32 to 2048
+tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out.
 """
 import json
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
-from moe_ep import EPAllToAll, link_copies, random_topk, runtime
+from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
+DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 
 
 def graph_median(fn, replays: int, per_graph: int = 10) -> float:
-    """Median microseconds per call of a CUDA graph holding `per_graph` calls of fn()."""
+    """Median microseconds per call of a CUDA graph holding `per_graph` calls of fn(), replayed after a barrier."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -33,9 +43,47 @@ def graph_median(fn, replays: int, per_graph: int = 10) -> float:
         for _ in range(per_graph):
             fn()
     graph.replay()
+    times = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_graph)
+    return statistics.median(times)
+
+
+def eager_median(fn, iters: int) -> float:
+    """Median microseconds of one call after a barrier, CUDA events."""
+    fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def host_median(fn, iters: int = 20) -> float:
+    """Median CPU microseconds of fn() while the GPU is still busy with earlier work (no call may wait)."""
     torch.cuda.synchronize()
     dist.barrier()
-    return median_us(graph.replay, replays, 3) / per_graph
+    torch.cuda._sleep(50_000_000)                  # ~25 ms of GPU work ahead of the calls
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
@@ -51,66 +99,165 @@ def kernel_time(fn, names, iters: int = 20) -> float:
     return total / iters
 
 
-def measure(tokens: int, iters: int, full: bool) -> dict:
+# ----------------------------------------------------------------------------------------- NCCL
+
+def nccl_dispatch(x, ids, weights, experts_per_rank, max_tokens):
+    """Each token once per destination rank over all_to_all_single, then expert-major rows; one host sync
+    (the counts), after which every index is computed on the GPU with sizes the host already knows.
+
+    Returns (recv_x [E_loc, W*T_max, H] fp8, recv_scales, recv_count [E_loc], state for combine)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, device = x.shape[0], x.device
+    q, scales = reference.quantize_fp8(x, GROUP)
+    dest = torch.where(ids >= 0, ids // experts_per_rank, -1)
+    to_rank = (dest[:, :, None] == torch.arange(world, device=device)).any(1)             # [T, W]
+    hits = torch.zeros(EXPERTS + 1, dtype=torch.int64, device=device)
+    hits.index_add_(0, (ids + 1).flatten(), torch.ones_like(ids).flatten())               # [0]: dropped slots
+    send = torch.cat([to_rank.sum(0)[:, None], hits[1:].view(world, experts_per_rank)], 1)   # [W, 1 + E_loc]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    counts = torch.cat([send[:, 0], recv[:, 0], recv[:, 1:].sum()[None]]).tolist()       # the one host sync
+    send_splits, recv_splits, local_hits = counts[:world], counts[world:2 * world], counts[-1]
+    token_of = torch.nonzero_static(to_rank.t().reshape(-1), size=sum(send_splits))[:, 0] % tokens   # by rank
+    rows = torch.cat([q.view(torch.uint8), scales.view(torch.uint8), ids.int().view(torch.uint8),
+                      weights.float().view(torch.uint8)], 1)[token_of]
+    received = rows.new_empty(sum(recv_splits), rows.shape[1])
+    dist.all_to_all_single(received, rows, recv_splits, send_splits)
+    h, g = HIDDEN, HIDDEN // GROUP
+    r_ids = received[:, h + 4 * g:h + 4 * g + 4 * TOPK].contiguous().view(torch.int32)
+    local = (r_ids >= 0) & (r_ids // experts_per_rank == rank)
+    flat = torch.nonzero_static(local.reshape(-1), size=local_hits)[:, 0]                  # (source, token, k) order
+    row_of, k_of = flat // TOPK, flat % TOPK
+    expert = (r_ids.reshape(-1)[flat] - rank * experts_per_rank).long()
+    expert, order = torch.sort(expert, stable=True)
+    row_of, k_of = row_of[order], k_of[order]
+    recv_count = recv[:, 1:].sum(0)
+    slot = torch.arange(local_hits, device=device) - (torch.cumsum(recv_count, 0) - recv_count)[expert]
+    recv_x = torch.empty(experts_per_rank, world * max_tokens, h, dtype=torch.uint8, device=device)
+    recv_scales = torch.empty(experts_per_rank, world * max_tokens, g, dtype=torch.float32, device=device)
+    recv_x[expert, slot] = received[row_of, :h]
+    recv_scales[expert, slot] = received[row_of, h:h + 4 * g].contiguous().view(torch.float32)
+    r_weights = received[:, h + 4 * g + 4 * TOPK:].contiguous().view(torch.float32)
+    state = ((send_splits, recv_splits), token_of, row_of, k_of, expert, slot, r_weights, received.shape[0])
+    return recv_x.view(torch.float8_e4m3fn), recv_scales, recv_count.int(), state
+
+
+def nccl_combine(expert_out, state, num_tokens):
+    """Per (token, rank) weighted sums in fp32, one all_to_all_single back, summed at the source."""
+    splits, token_of, row_of, k_of, expert, slot, r_weights, rows = state
+    partial = torch.zeros(rows, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
+    partial.index_add_(0, row_of, expert_out[expert, slot].float() * r_weights[row_of, k_of, None])
+    partial = partial.to(expert_out.dtype)
+    back = partial.new_empty(len(token_of), partial.shape[1])
+    dist.all_to_all_single(back, partial, splits[0], splits[1])
+    y = torch.zeros(num_tokens, partial.shape[1], dtype=torch.float32, device=partial.device)
+    return y.index_add_(0, token_of, back.float()).to(expert_out.dtype)
+
+
+# ----------------------------------------------------------------------------------------- measuring
+
+def breakdown(ep, x, ids, weights, expert_out, iters: int) -> dict:
+    """Median per-phase microseconds over `iters` eager calls after a barrier (ep built with timing=True)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        *_, handle = ep.dispatch(x, ids, weights)
+        ep.combine(expert_out, handle)
+        samples.append(ep.breakdown())
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
-    ours = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, validate=False)
-    nccl = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, validate=False,
-                      backend="reference")
+    ours = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
     expert_out = torch.randn(ours.experts_per_rank, world * tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     *_, handle = ours.dispatch(x, ids, weights)
-    dispatch = lambda: ours.dispatch(x, ids, weights)            # noqa: E731
+    dispatch = lambda: ours.dispatch(x, ids, weights)             # noqa: E731
     combine = lambda: ours.combine(expert_out, handle)            # noqa: E731
 
-    out = {"tokens": tokens}
-    dist.barrier()
+    out = {"tokens": tokens, "programs": dict(ours._grid),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)                    # the graph's dispatches moved the slots on
     out["combine_graph_us"] = graph_median(combine, iters // 4)
-    dist.barrier()
-    out["nccl_dispatch_us"] = median_us(lambda: nccl.dispatch(x, ids, weights), iters // 2, 5)
-    *_, ref_handle = nccl.dispatch(x, ids, weights)
-    out["nccl_combine_us"] = median_us(lambda: nccl.combine(expert_out, ref_handle), iters // 2, 5)
+    *_, handle = ours.dispatch(x, ids, weights)
     if full:
-        dist.barrier()
-        out["dispatch_eager_us"] = median_us(dispatch, iters, 20)
+        out["dispatch_eager_us"] = eager_median(dispatch, iters)
         *_, handle = ours.dispatch(x, ids, weights)
-        out["combine_eager_us"] = median_us(combine, iters, 20)
+        out["combine_eager_us"] = eager_median(combine, iters)
+        out["dispatch_host_us"] = host_median(dispatch)
+        *_, handle = ours.dispatch(x, ids, weights)
+        out["combine_host_us"] = host_median(combine)
         dist.barrier()
         out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_send", "dispatch_recv"])
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_kernel_us"] = kernel_time(combine, ["combine_send", "combine_recv"])
-    per_rank, per_expert = link_copies(ids, ours.experts_per_rank, rank, world)
+        *_, state = nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)
+        out["nccl_dispatch_us"] = eager_median(lambda: nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens),
+                                               iters // 2)
+        out["nccl_combine_us"] = eager_median(lambda: nccl_combine(expert_out, state, tokens), iters // 2)
+        ref = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP, validate=False, backend="reference")
+        out["reference_dispatch_us"] = eager_median(lambda: ref.dispatch(x, ids, weights), iters // 4)
+        *_, ref_handle = ref.dispatch(x, ids, weights)
+        out["reference_combine_us"] = eager_median(lambda: ref.combine(expert_out, ref_handle), iters // 4)
+        recv_count = ours.dispatch(x, ids, weights)[2]
+        assert torch.equal(recv_count, nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)[2]), \
+            "the NCCL baseline routes differently"
+    ours.destroy()
+    if with_breakdown:
+        timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, breakdown(timed, x, ids, weights, expert_out, iters // 2))
+        out["breakdown"] = per_rank
+        timed.destroy()
+    per_rank_copies, per_expert_copies = link_copies(ids, EXPERTS // world, rank, world)
     token_bytes = HIDDEN + HIDDEN // GROUP * 4
-    out["dispatch_link_MB"] = per_rank * token_bytes / 1e6
-    out["dispatch_link_MB_one_copy_per_expert"] = per_expert * token_bytes / 1e6
-    out["combine_link_MB"] = per_rank * HIDDEN * 2 / 1e6
+    out["dispatch_link_MB"] = per_rank_copies * token_bytes / 1e6
+    out["dispatch_link_MB_one_copy_per_expert"] = per_expert_copies * token_bytes / 1e6
+    out["combine_link_MB"] = per_rank_copies * HIDDEN * 2 / 1e6
     for op in ("dispatch", "combine"):
         best = out.get(f"{op}_kernel_us", out[f"{op}_graph_us"])
         out[f"{op}_link_GBps"] = out[f"{op}_link_MB"] * 1e3 / best
-        out[f"{op}_speedup_vs_nccl"] = out[f"nccl_{op}_us"] / out[f"{op}_graph_us"]
-    ours.destroy()
+        if f"nccl_{op}_us" in out:
+            out[f"{op}_speedup_vs_nccl"] = out[f"nccl_{op}_us"] / out[f"{op}_eager_us"]
     return out
 
 
-COLUMNS = ["tokens", "dispatch_kernel_us", "dispatch_graph_us", "dispatch_eager_us", "nccl_dispatch_us",
-           "dispatch_speedup_vs_nccl", "combine_kernel_us", "combine_graph_us", "combine_eager_us",
-           "nccl_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_MB_one_copy_per_expert",
-           "dispatch_link_GBps", "combine_link_GBps"]
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_kernel_us",
+           "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl", "combine_graph_us",
+           "combine_eager_us", "combine_host_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
+           "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
+PHASES = ("send", "signal", "wait", "recv")
+
+
+def breakdown_lines(row) -> list[str]:
+    lines = []
+    for rank, phases in enumerate(row.get("breakdown") or []):
+        parts = [f"{op}: " + " + ".join(f"{p} {phases[f'{op}_{p}_us']:.1f}" for p in PHASES)
+                 + f" = {phases[f'{op}_total_us']:.1f} us" for op in ("dispatch", "combine")]
+        lines.append(f"{row['tokens']} tokens, rank {rank}: " + "; ".join(parts))
+    return lines
 
 
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows = sorted(rows, key=lambda r: r["tokens"])
     tokens = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("dispatch_graph_us", "moe_ep dispatch", "o-"),
-                              ("combine_graph_us", "moe_ep combine", "s-"),
-                              ("nccl_dispatch_us", "NCCL dispatch", "o--"), ("nccl_combine_us", "NCCL combine", "s--")):
+    for key, label, style in (("dispatch_graph_us", "moe_ep dispatch (graph)", "o-"),
+                              ("combine_graph_us", "moe_ep combine (graph)", "s-")):
         ax.plot(tokens, [r[key] for r in rows], style, label=label)
+    for key, label, style in (("nccl_dispatch_us", "NCCL dispatch (eager)", "o--"),
+                              ("nccl_combine_us", "NCCL combine (eager)", "s--")):
+        points = [(r["tokens"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
@@ -123,27 +270,33 @@ def plot(rows, path):
 
 
 def main():
-    args = benchmark_args(__doc__, iters=100, sweep="also time 16 to 4096 tokens per rank and draw latency.png")
+    args = benchmark_args(__doc__, iters=100, sweep="also time 32 to 2048 tokens per rank and draw latency.png",
+                          breakdown="time each phase of the decode settings with device timestamps")
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
-    results = {"settings": [], "sweep": []}
-    plan = [("settings", 128, args.iters, True), ("settings", 4096, args.iters // 2, True)]
+    results = {"settings": []}
+    plan = [(t, args.iters, True, args.breakdown) for t in DECODE] + [(PREFILL, args.iters // 4, True, False)]
     if args.sweep:
-        plan += [("sweep", t, args.iters // 2, False) for t in (16, 64, 256, 1024, 4096)]
-    for part, tokens, iters, full in plan:        # results are written as they come: a cut run keeps them
-        results[part].append(measure(tokens, iters, full))
+        plan += [(t, args.iters // 2, False, False) for t in SWEEP]
+    for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
+        row = measure(tokens, iters, full, with_breakdown)
+        results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
-            print(json.dumps(results[part][-1]), flush=True)
-            with open(os.path.join(args.out, "results.json"), "w") as f:
+            print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
+            print("\n".join(breakdown_lines(row)), flush=True)
+            with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
                 json.dump({**meta, **results}, f, indent=1)
     if rank == 0:
+        rows = sorted(results["settings"], key=lambda r: r["tokens"])
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
-                f"Decode (128 tokens/rank) and prefill (4096), times in us (rank 0):\n\n{markdown_table(results['settings'], COLUMNS)}\n")
+                f"Times in us (rank 0); speedups are NCCL eager over ours eager:\n\n{markdown_table(rows, COLUMNS)}\n")
+        lines = [line for row in rows for line in breakdown_lines(row)]
+        if lines:
+            text += "\nBreakdown (device timestamps, medians):\n\n" + "\n".join(f"    {line}" for line in lines) + "\n"
         if args.sweep:
-            text += f"\nSweep (graph timings):\n\n{markdown_table(results['sweep'], COLUMNS)}\n"
-            plot(results["sweep"], os.path.join(args.out, "latency.png"))
-        with open(os.path.join(args.out, "results.md"), "w") as f:
+            plot(rows, os.path.join(args.out, f"latency_{world}ranks.png"))
+        with open(os.path.join(args.out, f"all_to_all_{world}ranks.md"), "w") as f:
             f.write(text)
         print(text)
     runtime.finalize()

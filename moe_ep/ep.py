@@ -6,20 +6,21 @@
     y = ep.combine(expert_out, handle)                                      # [T, H]
     ep.destroy()                                                            # collective
 
-What the tensors mean is ``moe_ep.reference``'s contract; the kernels are in
+What the tensors mean is ``moe_ep.reference``'s contract; the kernels and their protocol are in
 ``moe_ep.kernels.all_to_all``. Results of a dispatch are views into buffers of one of two
 slots (double buffering): they stay valid until the dispatch after next. With
 ``return_recv_hook=True`` dispatch and combine return after issuing the sends, together
 with a callable that launches the receive: run compute in between, call the hook, and only
 then read the outputs. At most two dispatches (and two combines) may be in flight.
 
-Dispatch and combine can be captured in a CUDA graph: the call counts the signals depend on
-live on the device. The value check of ``topk_ids`` (a device-to-host copy) is skipped while
-capturing, and always with ``validate=False``.
+No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
+counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
+kernel itself (``validate=True``): an id outside [-1, E) is dropped like -1, and the next call
+(or ``check()``) raises a ValueError naming the call that saw it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,50 @@ import triton
 
 from . import reference, runtime
 from .kernels import all_to_all as kernels
+from .launcher import BoundKernel
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
-_SLOTS = 2
+SLOTS = kernels.NUM_SLOTS
+PROGRAMS_PER_SM = 4          # 4 programs of 4 warps per SM keep enough loads and stores in flight to cover NVLink latency
+CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
+LAYOUT_IDS = 2048            # topk ids a layout program scans per step (one cumsum)
+
+
+@dataclass
+class DispatchBuffers:
+    """Dispatch's buffers. S = SLOTS, W ranks, T = max_tokens, H = hidden, K = topk, G = H / fp8_group
+    scale groups, E_loc local experts, R = W * T rows per local expert. Row block [slot, src] of a
+    symmetric buffer is written by rank src's dispatch_send through a peer pointer."""
+    # symmetric (the peer table rows, kernels.DISPATCH_PEERS)
+    data: torch.Tensor         # [S, W, T, H] fp8 or dtype: each source's token rows; dispatch_recv reads them
+    scales: torch.Tensor       # [S, W, T, G] f32: their FP8 scales
+    ids: torch.Tensor          # [S, W, T, K] i32: each source token's expert ids (sent to every rank)
+    weights: torch.Tensor      # [S, W, T, K] f32: their weights (sent to the ranks the token goes to)
+    positions: torch.Tensor    # [S, W, T, K] i32: hit (t, k)'s place among the source's rows for its expert
+    counts: torch.Tensor       # [S, W, E_loc] i32: the source's rows per local expert (layout programs)
+    tokens: torch.Tensor       # [S, W] i32: how many tokens the source sent
+    arrived: torch.Tensor      # [S, W] i64: calls whose rows from each source have landed (dispatch_recv waits)
+    freed: torch.Tensor        # [S, W] i64: calls whose rows each receiver has read out (dispatch_send waits)
+    # local: dispatch_recv writes; the experts and combine_send read
+    recv_x: torch.Tensor       # [S, E_loc, R, H]: rows per local expert, in (source, token, k) order
+    recv_scales: torch.Tensor  # [S, E_loc, R, G] f32
+    recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
+    recv_src: torch.Tensor     # [S, E_loc, R] i32: (source * T + t) * K + k of each row
+    kept_ids: torch.Tensor     # [S, W, T, K] i32: the received ids, for combine_send
+    kept_weights: torch.Tensor  # [S, W, T, K] f32: the received weights (0 for other ranks' experts)
+    kept_rows: torch.Tensor    # [S, W, T, K] i32: the row of each local hit in recv_x (-1: not local)
+    kept_tokens: torch.Tensor  # [S, W] i32: tokens each source sent
+
+
+@dataclass
+class CombineBuffers:
+    """Combine's buffers (S, W, T, H as for dispatch). Row block [slot, r] of `data` is written by
+    expert rank r's combine_send through a peer pointer."""
+    data: torch.Tensor         # [S, W, T, H] dtype: rank r's sum over its experts of w * y per token
+    arrived: torch.Tensor      # [S, W] i64: calls whose rows from each expert rank have landed (combine_recv waits)
+    freed: torch.Tensor        # [S, W] i64: calls whose rows each source has read out (combine_send waits)
 
 
 @dataclass
@@ -58,35 +99,36 @@ class EPAllToAll(runtime.CommObject):
         fp8_dispatch: quantize tokens to FP8 e4m3 (per ``fp8_group`` columns) inside dispatch.
         backend: "nvshmem" (Triton kernels over NVLink) or "reference" (torch.distributed).
         timeout_s: bound of every device-side wait.
-        validate: check topk_ids values (costs a device-to-host copy per dispatch).
+        validate: range-check topk_ids on the device (reported by the next call or check()).
+        timing: record per-phase device timestamps of every call, for ``breakdown()``.
     """
 
     TAGS = kernels.TAGS
 
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
-                 backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True):
+                 backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
-                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate)
+                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing)
         sms = self._open(group, backend)
         if sms is None:
             return
-        self._allocate(runtime.symmetric_zeros, programs=4 * sms)
+        self._allocate(runtime.symmetric_zeros, programs=PROGRAMS_PER_SM * sms)
         self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                   backend, timeout_s, validate) -> None:
+                   backend, timeout_s, validate, timing=False) -> None:
         _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
                       backend, timeout_s)
         self.world, self.rank = world, rank
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden, num_experts, topk
         self.experts_per_rank = num_experts // world
-        self.dtype, self.backend, self.validate = dtype, backend, validate
+        self.dtype, self.backend, self.validate, self.timing = dtype, backend, validate, timing
         self.fp8_group = fp8_group if fp8_dispatch else None
         self.timeout_s = timeout_s
         self._calls = {"dispatch": 0, "combine": 0}
@@ -97,57 +139,109 @@ class EPAllToAll(runtime.CommObject):
     def _allocate(self, symmetric_zeros, programs: int) -> None:
         """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on self.device.
         `programs` bounds every grid (it must be the same on every rank)."""
-        S, W, T, H, K, EL = _SLOTS, self.world, self.max_tokens, self.hidden, self.topk, self.experts_per_rank
+        S, W, T, H, K, EL = SLOTS, self.world, self.max_tokens, self.hidden, self.topk, self.experts_per_rank
         payload = torch.float8_e4m3fn if self.fp8_group else self.dtype
-        groups = H // self.fp8_group if self.fp8_group else 1
+        G = H // self.fp8_group if self.fp8_group else 1
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        local = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
         shapes = {
-            "d_data": ((S, W, T, H), payload), "d_scale": ((S, W, T, groups), torch.float32),
-            "d_ids": ((S, W, T, K), torch.int32), "d_w": ((S, W, T, K), torch.float32),
-            "d_pos": ((S, W, T, K), torch.int32), "d_count": ((S, W, EL), torch.int32),
-            "d_ntok": ((S, W), torch.int32), "d_flag": ((S, W), torch.int64), "d_ack": ((S, W), torch.int64),
-            "c_data": ((S, W, T, H), self.dtype), "c_flag": ((S, W), torch.int64), "c_ack": ((S, W), torch.int64),
-        }
-        for name, (shape, dtype) in shapes.items():
-            self._symmetric[name] = symmetric_zeros(shape, dtype)
+            "data": (S, W, T, H), "scales": (S, W, T, G), "ids": (S, W, T, K), "weights": (S, W, T, K),
+            "positions": (S, W, T, K), "counts": (S, W, EL), "tokens": (S, W), "arrived": (S, W), "freed": (S, W),
+            "recv_x": (S, EL, W * T, H), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
+            "recv_src": (S, EL, W * T), "kept_ids": (S, W, T, K), "kept_weights": (S, W, T, K),
+            "kept_rows": (S, W, T, K), "kept_tokens": (S, W)}
+        dtypes = {"data": payload, "scales": f32, "weights": f32, "arrived": i64, "freed": i64, "recv_x": payload,
+                  "recv_scales": f32, "kept_weights": f32}
+        self.dispatch_buffers = DispatchBuffers(**{
+            f.name: (symmetric_zeros if f.name in kernels.DISPATCH_PEERS else local)(
+                shapes[f.name], dtypes.get(f.name, i32)) for f in fields(DispatchBuffers)})
+        self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), self.dtype),
+                                              arrived=symmetric_zeros((S, W), i64), freed=symmetric_zeros((S, W), i64))
+        self._symmetric = {f"dispatch.{n}": getattr(self.dispatch_buffers, n) for n in kernels.DISPATCH_PEERS}
+        self._symmetric.update({f"combine.{n}": getattr(self.combine_buffers, n) for n in kernels.COMBINE_PEERS})
+        self._status = torch.zeros(kernels.EP_STATUS_WORDS, dtype=i32, pin_memory=self.device.type == "cuda")
+        self._status_words = self._status.numpy()
 
-        rows = W * T
-        zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
-        self._recv_x = zeros((S, EL, rows, H), payload)
-        self._recv_scales = zeros((S, EL, rows, groups), torch.float32)
-        self._recv_count = zeros((S, EL), torch.int32)
-        self._recv_src = zeros((S, EL, rows), torch.int32)
-        self._keep = {"ids": zeros((S, W, T, K), torch.int32), "w": zeros((S, W, T, K), torch.float32),
-                      "row": zeros((S, W, T, K), torch.int32), "ntok": zeros((S, W), torch.int32)}
-        self._status = torch.zeros(5, dtype=torch.int32, pin_memory=self.device.type == "cuda")   # shmem.STATUS_*
-
-        self._block_groups = max(1, 2048 // (self.fp8_group or 128))
-        dispatch_chunks = triton.cdiv(H, self._block_groups * (self.fp8_group or 128))
-        self._block_h = 1024
-        combine_chunks = triton.cdiv(H, self._block_h)
+        chunks = triton.cdiv(H, CHUNK_COLUMNS)
         self._grid = {
-            "dispatch_send": self.num_experts + min(T * dispatch_chunks, programs),
-            "dispatch_recv": min(rows * dispatch_chunks, programs),
-            "combine_send": min(rows * combine_chunks, programs),
-            "combine_recv": min(T * combine_chunks, programs),
+            "dispatch_send": self.num_experts + min(T * chunks, programs),
+            "dispatch_recv": min(W * T * chunks, programs),
+            "combine_send": min(W * T * triton.cdiv(H, COMBINE_COLUMNS), programs),
+            "combine_recv": min(T * triton.cdiv(H, COMBINE_COLUMNS), programs),
         }
-        # per program of each kernel: uses of slot 0, uses of slot 1, clock word (kernels/all_to_all.py)
-        self._state = {name: zeros((S + 1, g), torch.int64) for name, g in self._grid.items()}
+        # Per kernel: every program's use count of each slot and its clock word [S + 1, grid]; programs
+        # finished per slot [S]; timing stamps [4] (kernels.STAMPS; reset to "none yet" before a timed call).
+        self._state = {name: local((S + 1, grid), i64) for name, grid in self._grid.items()}
+        self._finished = {name: local((S,), i64) for name in self._grid}
+        self._stamps = local((len(kernels.KERNELS), len(kernels.STAMPS)), i64)
+        self._unstamped = self._stamps.clone()
+        self._unstamped[:, 0] = torch.iinfo(torch.int64).max
 
     def _connect(self, peer_addresses) -> None:
-        """Peer tables: peer_addresses(name, buffer) -> every rank's address of it (None: unreachable)."""
-        self._peers = {}
-        for name, buf in self._symmetric.items():
-            addresses = peer_addresses(name, buf)
-            for r, address in enumerate(addresses):
+        """Peer tables and bound kernels; peer_addresses(name, buffer) -> every rank's address of the symmetric
+        buffer `name` (a key of self._symmetric; None: unreachable)."""
+        def table(side, buffers, names):
+            rows = [peer_addresses(f"{side}.{name}", getattr(buffers, name)) for name in names]
+            for r, address in enumerate(rows[0]):
                 if address is None:
-                    raise ValueError(f"rank {r} is not reachable through NVLink from rank {self.rank}: the "
-                                     "nvshmem backend needs every rank in one NVLink domain (use backend='reference')")
-            self._peers[name] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
+                    raise ValueError(f"rank {r} is not reachable through NVLink from rank {self.rank}: the nvshmem "
+                                     "backend needs every rank in one NVLink domain (use backend='reference')")
+            return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self._dispatch_peers = table("dispatch", self.dispatch_buffers, kernels.DISPATCH_PEERS)
+        self._combine_peers = table("combine", self.combine_buffers, kernels.COMBINE_PEERS)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Every launch, bound once: per slot (and, for combine_send, per slot of the dispatch it follows)."""
+        d, c = self.dispatch_buffers, self.combine_buffers
+        fp8 = self.fp8_group is not None
+        common = dict(rank=self.rank, world=self.world, max_tokens=self.max_tokens, hidden=self.hidden,
+                      topk=self.topk, experts_per_rank=self.experts_per_rank, timeout_ns=int(self.timeout_s * 1e9),
+                      status_addr=self._status.data_ptr(), K_PAD=triton.next_power_of_2(self.topk),
+                      WORLD_PAD=triton.next_power_of_2(self.world), SLOTS=SLOTS, TIMING=self.timing, num_warps=4)
+        dispatch = dict(FP8=fp8, GROUP=self.fp8_group or 128, BLOCK_GROUPS=CHUNK_COLUMNS // (self.fp8_group or 128))
+
+        def kernel(name, fn, slot, varying=(), **arguments):
+            stamps = self._stamps[kernels.KERNELS.index(name)]
+            return BoundKernel(fn, self._grid[name], varying, slot=slot, state_ptr=self._state[name],
+                               finished_ptr=self._finished[name], stamps_ptr=stamps, **common, **arguments)
+
+        self._dispatch_send = [kernel(
+            "dispatch_send", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            peers=self._dispatch_peers, freed_ptr=d.freed, num_experts=self.num_experts, BLOCK_I=LAYOUT_IDS,
+            VALIDATE=self.validate, **dispatch) for s in range(SLOTS)]
+        self._dispatch_recv = [kernel(
+            "dispatch_recv", kernels.dispatch_recv_kernel, s,
+            data_ptr=d.data, scale_ptr=d.scales, ids_ptr=d.ids, w_ptr=d.weights, pos_ptr=d.positions,
+            count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=self._dispatch_peers,
+            recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
+            recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
+            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], **dispatch) for s in range(SLOTS)]
+        self._combine_send = {(s, ds): kernel(
+            "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
+            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
+            kept_tokens_ptr=d.kept_tokens[ds], peers=self._combine_peers, freed_ptr=c.freed,
+            BLOCK_H=COMBINE_COLUMNS, enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
+            for s in range(SLOTS) for ds in range(SLOTS)}
+        self._combine_recv = [kernel(
+            "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
+            data_ptr=c.data, arrived_ptr=c.arrived, peers=self._combine_peers, BLOCK_H=COMBINE_COLUMNS)
+            for s in range(SLOTS)]
 
     # ------------------------------------------------------------------------------------ checks
 
     def _context(self) -> str:
         return f"; calls {self._calls}"
+
+    def _raise_if_failed(self) -> None:
+        super()._raise_if_failed()
+        if self.backend == "nvshmem" and self._status_words[kernels.STATUS_BAD_CALL.value]:
+            call, bad, index = (int(self._status_words[w.value]) for w in
+                                (kernels.STATUS_BAD_CALL, kernels.STATUS_BAD_ID, kernels.STATUS_BAD_INDEX))
+            self._status_words[kernels.STATUS_BAD_CALL.value] = 0
+            raise ValueError(f"rank {self.rank}: dispatch call {call} had topk_ids[{index // self.topk}, "
+                             f"{index % self.topk}] = {bad}, outside [-1, {self.num_experts}) (-1 = dropped slot); "
+                             "it was dropped")
 
     def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:
         self._expect("x", x, (self.dtype,), dim=2)
@@ -159,102 +253,119 @@ class EPAllToAll(runtime.CommObject):
         self._expect("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(tokens, self.topk))
         self._expect("topk_weights", topk_weights, (torch.float32, torch.bfloat16, torch.float16),
                      shape=(tokens, self.topk))
-        if self.validate and tokens and not _capturing():
+        if self.backend == "reference" and self.validate and tokens:   # that path waits for the host anyway
             low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
             if low < -1 or high >= self.num_experts:
                 raise ValueError(f"topk_ids must lie in [-1, {self.num_experts}) (-1 = dropped slot), "
                                  f"found values in [{low}, {high}]")
-        if self._pending["dispatch"] >= _SLOTS:
+        if self._pending["dispatch"] >= SLOTS:
             raise ValueError("two dispatches are already in flight: call the receive hook of the earlier one first")
 
     # ------------------------------------------------------------------------------------ dispatch
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  return_recv_hook: bool = False):
-        """x [T, H], topk_ids [T, K] int32/int64 (-1 = dropped), topk_weights [T, K] float.
+        """Send each token to the ranks of its experts; receive this rank's experts' rows.
 
-        Returns (recv_x [E_loc, W*T_max, H] fp8 or x.dtype, recv_scales [E_loc, W*T_max, H/g] f32
-        or None, recv_count [E_loc] int32, handle), plus the receive hook if asked for.
+        Args:
+            x: [T, H] tokens, T <= max_tokens, dtype `dtype`.
+            topk_ids: [T, K] int32/int64 expert ids, -1 = dropped slot.
+            topk_weights: [T, K] float32/bfloat16/float16, kept for combine.
+        Returns:
+            recv_x: [E_loc, W*T_max, H] float8_e4m3fn (or `dtype` without FP8): rows [0, recv_count[e])
+                of expert e are valid, in (source rank, token, k) order.
+            recv_scales: [E_loc, W*T_max, H/fp8_group] float32 scales of those rows, or None.
+            recv_count: [E_loc] int32 on the device.
+            handle: what combine needs.
+            hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
+        The outputs stay valid until the dispatch after next.
         """
         self._raise_if_failed()
         self._check_dispatch_args(x, topk_ids, topk_weights)
-        slot = self._calls["dispatch"] % _SLOTS
+        slot = self._calls["dispatch"] % SLOTS
         self._calls["dispatch"] += 1
+        call = self._calls["dispatch"]
         if self.backend == "reference":
             recv_x, recv_scales, recv_count, ref = reference.dispatch(
                 x, topk_ids, topk_weights, num_experts=self.num_experts, max_tokens=self.max_tokens,
                 fp8_group=self.fp8_group, group=self.group)
-            handle = EPHandle(slot, self._calls["dispatch"], x.shape[0], topk_ids, ref.recv_src, True, ref)
+            handle = EPHandle(slot, call, x.shape[0], topk_ids, ref.recv_src, True, ref)
             outputs = (recv_x, recv_scales, recv_count, handle)
-            return (*outputs, lambda: None) if return_recv_hook else outputs
+            return (*outputs, _no_hook) if return_recv_hook else outputs
 
-        handle = EPHandle(slot, self._calls["dispatch"], x.shape[0], topk_ids, self._recv_src[slot])
-        self._launch("dispatch_send", slot, x, topk_ids, topk_weights,
-                     *self._tables("d_data", "d_scale", "d_ids", "d_w", "d_pos", "d_count", "d_ntok", "d_flag"),
-                     self._symmetric["d_ack"], num_tokens=x.shape[0], num_experts=self.num_experts,
-                     peer="dispatch_recv", FP8=self.fp8_group is not None, GROUP=self.fp8_group or 128,
-                     BLOCK_GROUPS=self._block_groups, K_PAD=self._k_pad, BLOCK_I=2048)
-        outputs = (self._recv_x[slot], self._recv_scales[slot] if self.fp8_group else None,
-                   self._recv_count[slot], handle)
-        hook = self._hook("dispatch", lambda: self._dispatch_recv(handle))
-        if return_recv_hook:
-            return (*outputs, hook)
-        hook()
-        return outputs
+        d = self.dispatch_buffers
+        handle = EPHandle(slot, call, x.shape[0], topk_ids, d.recv_src[slot])
+        if self.timing:
+            self._stamps[:2].copy_(self._unstamped[:2])
+        self._dispatch_send[slot](x, topk_ids, topk_weights, x.shape[0], call)
+        outputs = (d.recv_x[slot], d.recv_scales[slot] if self.fp8_group else None, d.recv_count[slot], handle)
+        receive = self._dispatch_recv[slot]
+        if not return_recv_hook:
+            receive()
+            handle.received = True
+            return outputs
 
-    def _dispatch_recv(self, handle: EPHandle) -> None:
-        slot, sym = handle.slot, self._symmetric
-        self._launch("dispatch_recv", slot,
-                     *(sym[n] for n in ("d_data", "d_scale", "d_ids", "d_w", "d_pos", "d_count", "d_ntok", "d_flag")),
-                     self._peers["d_ack"], self._recv_x[slot], self._recv_scales[slot], self._recv_count[slot],
-                     self._recv_src[slot], *(self._keep[n][slot] for n in ("ids", "w", "row", "ntok")),
-                     peer="dispatch_send", FP8=self.fp8_group is not None, GROUP=self.fp8_group or 128,
-                     BLOCK_GROUPS=self._block_groups, K_PAD=self._k_pad)
-        handle.received = True
+        def hook():
+            receive()
+            handle.received = True
+        return (*outputs, self._hook("dispatch", hook))
 
     # ------------------------------------------------------------------------------------ combine
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, return_recv_hook: bool = False):
-        """expert_out [E_loc, W*T_max, H] in the layout of recv_x, dtype `dtype` -> y [T, H]."""
+        """Send each expert row's weighted sum back to its token's rank, and add them up there.
+
+        Args:
+            expert_out: [E_loc, W*T_max, H] in the layout of recv_x, dtype `dtype`.
+            handle: the dispatch's handle (its receive must have run).
+        Returns:
+            y: [T, H] `dtype`: sum over k of topk_weights[t, k] * expert_out row of (t, k), in fp32.
+            hook (with return_recv_hook=True): launches the receive; read y only after it.
+        """
         self._raise_if_failed()
         rows = self.world * self.max_tokens
         self._expect("expert_out", expert_out, (self.dtype,), shape=(self.experts_per_rank, rows, self.hidden))
         if not isinstance(handle, EPHandle) or not handle.received:
             raise ValueError("combine needs the handle of a dispatch whose receive has completed")
-        if self._calls["dispatch"] >= handle.call + _SLOTS:
+        if self._calls["dispatch"] >= handle.call + SLOTS:
             raise ValueError("stale handle: its dispatch buffers were reused by a later dispatch")
-        if self._pending["combine"] >= _SLOTS:
+        if self._pending["combine"] >= SLOTS:
             raise ValueError("two combines are already in flight: call the receive hook of the earlier one first")
-        slot = self._calls["combine"] % _SLOTS
+        slot = self._calls["combine"] % SLOTS
         self._calls["combine"] += 1
         if self.backend == "reference":
             y = reference.combine(expert_out, handle.reference, group=self.group)
-            return (y, lambda: None) if return_recv_hook else y
+            return (y, _no_hook) if return_recv_hook else y
 
         y = torch.empty((handle.num_tokens, self.hidden), dtype=self.dtype, device=self.device)
-        self._launch("combine_send", slot, expert_out,
-                     *(self._keep[n][handle.slot] for n in ("ids", "w", "row", "ntok")),
-                     *self._tables("c_data", "c_flag"), self._symmetric["c_ack"],
-                     peer="combine_recv", BLOCK_H=self._block_h, K_PAD=self._k_pad,
-                     enable_fp_fusion=False)   # mul then add, rounded twice: the reference's fp32 sums
-        recv = lambda: self._launch(  # noqa: E731
-            "combine_recv", slot, y, handle.topk_ids, self._symmetric["c_data"], self._symmetric["c_flag"],
-            self._peers["c_ack"], num_tokens=handle.num_tokens, peer="combine_send", BLOCK_H=self._block_h,
-            K_PAD=self._k_pad, WORLD_PAD=triton.next_power_of_2(self.world))
-        hook = self._hook("combine", recv)
-        if return_recv_hook:
-            return y, hook
-        hook()
-        return y
+        if self.timing:
+            self._stamps[2:].copy_(self._unstamped[2:])
+        self._combine_send[slot, handle.slot](expert_out)
+        receive = self._combine_recv[slot]
+        if not return_recv_hook:
+            receive(y, handle.topk_ids, handle.num_tokens)
+            return y
+        return y, self._hook("combine", lambda: receive(y, handle.topk_ids, handle.num_tokens))
+
+    # ------------------------------------------------------------------------------------ timing
+
+    def breakdown(self) -> dict[str, float]:
+        """Microseconds per phase of the last dispatch and combine, from this rank's device stamps
+        (``timing=True``; waits for the GPU). Per op: send (first send program started -> last byte
+        issued), signal (-> the last sender program's signal), wait (-> the receiver saw every
+        rank's signal: launch gap and slower peers), recv (-> receive done), total."""
+        if not self.timing:
+            raise ValueError("breakdown() needs EPAllToAll(..., timing=True)")
+        stamps = dict(zip(kernels.KERNELS, self._stamps.tolist()))
+        out = {}
+        for op in ("dispatch", "combine"):
+            (s_start, _, s_worked, s_signaled), (_, r_waited, r_worked, _) = stamps[f"{op}_send"], stamps[f"{op}_recv"]
+            out.update({f"{op}_send_us": (s_worked - s_start) / 1e3, f"{op}_signal_us": (s_signaled - s_worked) / 1e3,
+                        f"{op}_wait_us": (r_waited - s_signaled) / 1e3, f"{op}_recv_us": (r_worked - r_waited) / 1e3,
+                        f"{op}_total_us": (r_worked - s_start) / 1e3})
+        return out
 
     # ------------------------------------------------------------------------------------ launching
-
-    @property
-    def _k_pad(self) -> int:
-        return triton.next_power_of_2(self.topk)
-
-    def _tables(self, *names):
-        return [self._peers[n] for n in names]
 
     def _hook(self, op: str, receive):
         """A one-shot callable that runs `receive`; counts it as in flight until then."""
@@ -269,20 +380,9 @@ class EPAllToAll(runtime.CommObject):
             receive()
         return hook
 
-    def _launch(self, name: str, slot: int, *tensors, peer: str, num_tokens=None, num_experts=None, **meta):
-        """Launch kernel `name` on its grid with the scalars every kernel takes."""
-        kernel = getattr(kernels, f"{name}_kernel")
-        counts = [] if num_tokens is None else [num_tokens]
-        scalars = [slot, self.rank, self.world, self.max_tokens, self.hidden, self.topk, self.experts_per_rank]
-        if num_experts is not None:
-            scalars.append(num_experts)
-        scalars += [self._grid[peer], int(self.timeout_s * 1e9)]
-        kernel[(self._grid[name],)](*tensors, self._state[name], self._status.data_ptr(),
-                                    *counts, *scalars, num_warps=4, **meta)
 
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _no_hook() -> None:
+    """The receive hook of the reference backend: its receive already happened."""
 
 
 def _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,

@@ -15,8 +15,10 @@ collective over the CTA), ``_warp`` functions by every thread of a warp, i.e. wi
 ``num_warps=1`` in Triton. A scalar extern is executed by every thread, so a
 thread-scope put would be issued once per thread: only block and warp variants are bound.
 
-``wait_until_ge`` needs no NVSHMEM at all: it spins on an acquire load of a local flag
-with a deadline from the global timer and reports a timeout instead of hanging.
+``wait_until_ge`` / ``wait_all_ge`` need no NVSHMEM at all: they spin on acquire loads of
+local flags with a deadline from the global timer and report a timeout instead of hanging.
+``signal_add`` / ``signal_add_all`` and ``last_to_finish`` are the release side of the same
+flag protocol: plain atomics through peer pointers.
 """
 import os
 import time
@@ -39,6 +41,7 @@ CMP_GE = tl.constexpr(5)
 # Codes written into a status tensor by wait_until_ge: [code, peer, tag, value seen, target].
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
+STATUS_WORDS = 5
 
 # Kernels run in the Triton interpreter (CPU): helpers then avoid what only a GPU has.
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -262,7 +265,7 @@ def remote_ptr(ptr, pe):
 
 if INTERPRETING:
     @triton.jit
-    def _now():
+    def now_ns():
         """Host nanoseconds: the interpreter runs kernels on the CPU, without the GPU's timer."""
         return time.monotonic_ns()
 
@@ -271,7 +274,7 @@ if INTERPRETING:
         return x
 else:
     @triton.jit
-    def _now():
+    def now_ns():
         """Nanoseconds of the GPU's global timer."""
         return tl.extra.cuda.globaltimer()
 
@@ -297,13 +300,13 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
     read by each warp could disagree at the deadline and make the warps miss each other's
     barriers.
     """
-    tl.atomic_xchg(clock, _now(), sem="relaxed", scope="cta")
+    tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
     deadline = now + timeout_ns
     value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     while (value < target) & (now < deadline):
         value = tl.atomic_add(_pause(flag.to(tl.int64)).to(flag.dtype), 0, sem="acquire", scope="sys")
-        now = tl.atomic_xchg(clock, _now(), sem="relaxed", scope="cta")
+        now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     if value < target:
         tl.store(status + 1, peer)
         tl.store(status + 2, tag)
@@ -315,6 +318,37 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
 
 
 @triton.jit
+def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD: tl.constexpr):
+    """Spin until flags[i] >= target for every i < count (int64, local), for at most `timeout_ns`.
+
+    All flags are polled at once (one thread each), so waiting for several peers costs one
+    round of polls, not one per peer. On timeout, reports the first flag i short of the target
+    as the peer, like ``wait_until_ge``, and returns False.
+    """
+    i = tl.arange(0, COUNT_PAD)
+    live = i < count
+    tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+    now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+    deadline = now + timeout_ns
+    values = tl.atomic_add(flags + i, 0, mask=live, sem="acquire", scope="sys")
+    short = tl.sum((live & (values < target)).to(tl.int32), 0)
+    while (short > 0) & (now < deadline):
+        polled = _pause((flags + i).to(tl.int64)).to(flags.dtype)
+        values = tl.atomic_add(polled, 0, mask=live, sem="acquire", scope="sys")
+        short = tl.sum((live & (values < target)).to(tl.int32), 0)
+        now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+    if short > 0:
+        peer = tl.min(tl.where(live & (values < target), i, COUNT_PAD), 0)
+        tl.store(status + 1, peer)
+        tl.store(status + 2, tag)
+        tl.store(status + 3, tl.sum(tl.where(i == peer, values, 0), 0).to(tl.int32))
+        tl.store(status + 4, tl.cast(target, tl.int32))
+        tl.store(status, STATUS_TIMEOUT)
+    tl.debug_barrier()
+    return short == 0
+
+
+@triton.jit
 def signal_add(flag, value):
     """Release-add `value` to an int64 flag (local or through a peer pointer) once per program.
 
@@ -322,3 +356,25 @@ def signal_add(flag, value):
     """
     tl.debug_barrier()
     tl.atomic_add(flag, value, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_add_all(bases, offset, count, value, COUNT_PAD: tl.constexpr):
+    """Release-add `value` to int64 word `offset` of `count` buffers at once, one thread each:
+    bases[r] is the address of buffer r (rank r's copy of a symmetric int64 array)."""
+    r = tl.arange(0, COUNT_PAD)
+    flags = tl.load(bases + r, mask=r < count, other=0).to(tl.pointer_type(tl.int64)) + offset
+    tl.debug_barrier()
+    tl.atomic_add(flags, value, mask=r < count, sem="release", scope="sys")
+
+
+@triton.jit
+def last_to_finish(finished, total):
+    """Count this program as finished in the int64 counter `finished`; True in the one program
+    whose add makes it reach `total`, the last one to finish.
+
+    The barrier puts every thread's earlier stores ahead of the acquire-release add, so whatever
+    the last program releases next (a signal to a peer) also publishes every other program's stores.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(finished, 1, sem="acq_rel", scope="sys") == total - 1

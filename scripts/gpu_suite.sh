@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The whole GPU suite and the benchmarks in one command, for a machine with >= 2 GPUs:
 #
-#     bash scripts/gpu_suite.sh OUTDIR [tests] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]   (default: all)
+#     bash scripts/gpu_suite.sh OUTDIR [tests_ep] [tests_moe] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]
 #
-# `tests` runs the tests marked gpu but the async-TP ones, `tests_tp` those, `tests_cpu` the others
-# (CI runs those too). A device call lasts at most 10 minutes: run `tests`, then `tests_tp`, then
-# `tutorials bench_moe`, then `bench_ep`, then `bench_tp`.
+# (default: all). `tests_ep` runs the GPU tests of dispatch/combine and the NVSHMEM wrappers,
+# `tests_moe` those of the MoE layer, grouped GEMM and quantization, `tests_tp` the async-TP ones,
+# `tests_cpu` the tests not marked gpu (CI runs those too). A device call lasts at most 10 minutes:
+# group parts so that each call fits, e.g. `tests_ep bench_ep`, then `tests_moe tests_tp`, then
+# `tutorials bench_moe bench_tp`.
 # Every step runs under `timeout`; logs, JSON and plots land in OUTDIR. If nvshmem4py is not
 # importable and wheels lie in .whl/, they are installed into /tmp/site first.
 # The exit status is non-zero if any step failed.
 set -uo pipefail
-out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]}"
+out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests_ep] [tests_moe] [tests_tp] [tests_cpu] [tutorials] [bench_ep] [bench_moe] [bench_tp]}"
 shift
-parts="${*:-tests tests_tp tests_cpu tutorials bench_ep bench_moe bench_tp}"
+parts="${*:-tests_ep tests_moe tests_tp tests_cpu tutorials bench_ep bench_moe bench_tp}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
 
@@ -40,14 +42,16 @@ step() {   # step NAME SECONDS command...
 }
 for part in $parts; do
   case "$part" in
-    tests) step pytest 540 python3 -m pytest -q -rs -m gpu --ignore tests/test_tp_gpu.py tests ;;
+    tests_ep) step pytest_ep 420 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_shmem_gpu.py ;;
+    tests_moe) step pytest_moe 420 python3 -m pytest -q -rs -m gpu tests/test_moe_layer.py tests/test_grouped_gemm.py \
+                 tests/test_quant.py ;;
     tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;
     tests_cpu) step pytest_cpu 540 python3 -m pytest -q -rs -m "not gpu" tests ;;
     tutorials) step tutorial01 60 bash launch.sh tutorials/01-ring-exchange.py
                step tutorial04 90 bash launch.sh tutorials/04-ep-all-to-all.py
                step tutorial05 120 bash launch.sh tutorials/05-swap-moe-into-a-model.py
                step tutorial06 120 bash launch.sh tutorials/06-async-tp.py ;;
-    bench_ep) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep ;;
+    bench_ep) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep --breakdown ;;
     bench_moe) step bench_moe_layer 240 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     bench_tp) step bench_tp 420 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
     *) echo "unknown part: $part"; failed=1 ;;

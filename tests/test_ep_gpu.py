@@ -121,13 +121,23 @@ def _hooks_graphs_and_errors(rank, world):
     # Bad input: ValueError before any launch, earlier results untouched, the next call fine.
     recv_x, _, recv_count, _ = ep.dispatch(*a)
     kept, calls = recv_x.clone(), dict(ep._calls)
-    bad_ids = a[1].clone()
-    bad_ids[0, 0] = experts
-    for bad in ((a[0], bad_ids, a[2]), (a[0].float(), a[1], a[2]), (a[0].cpu(), a[1], a[2])):
+    for bad in ((a[0].float(), a[1], a[2]), (a[0].cpu(), a[1], a[2]), (a[0], a[1][:, :1].contiguous(), a[2])):
         with pytest.raises(ValueError):
             ep.dispatch(*bad)
     torch.cuda.synchronize()
     assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and ep._calls == calls
+    check_call(ep, *b)
+
+    # Out-of-range ids are found by the dispatch kernel: dropped like -1, reported by check() (or the next call).
+    bad_ids = a[1].clone()
+    bad_ids[0, 1] = experts + rank
+    dropped = bad_ids.masked_fill(bad_ids >= experts, -1)
+    _, _, recv_count, _ = ep.dispatch(a[0], bad_ids, a[2])
+    _, _, r_count, _ = reference.dispatch(a[0], dropped, a[2], num_experts=experts, max_tokens=32, fp8_group=128)
+    assert torch.equal(recv_count, r_count)
+    call = ep._calls["dispatch"]
+    with pytest.raises(ValueError, match=rf"rank {rank}: dispatch call {call} had topk_ids\[0, 1\] = {experts + rank}"):
+        ep.check()
     check_call(ep, *b)
 
     # A CUDA graph of dispatch -> experts -> combine, replayed with fresh inputs.
@@ -167,3 +177,31 @@ def _timeout(rank, world):
 
 def test_timeout_raises():
     run(_timeout, WORLD, gpu=True, timeout=120)
+
+
+def _never_synchronizes(rank, world):
+    """Eager dispatch and combine, with validation and hooks, never wait for the GPU."""
+    ep = EPAllToAll(32, 2048, 64, 8, validate=True)
+    inputs = make_inputs(rank, [32] * world, 2048, 64, 8, seed=4, device="cuda")
+    expert_out = torch.randn(ep.experts_per_rank, world * 32, 2048, device="cuda", dtype=torch.bfloat16)
+    check_call(ep, *inputs)                              # compiles every kernel first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):   # the mode is on: a host read of the GPU fails
+            expert_out.sum().item()
+        for _ in range(3):
+            *_, handle = ep.dispatch(*inputs)
+            ep.combine(expert_out, handle)
+            *_, handle, hook = ep.dispatch(*inputs, return_recv_hook=True)
+            hook()
+            _, hook = ep.combine(expert_out, handle, return_recv_hook=True)
+            hook()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ep.check()
+    ep.destroy()
+
+
+def test_eager_calls_never_synchronize():
+    run(_never_synchronizes, WORLD, gpu=True, timeout=300)

@@ -17,12 +17,12 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group):
+def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False):
     ranks = []
     for rank in range(world):
         ep = EPAllToAll.__new__(EPAllToAll)
         ep._configure(world, rank, max_tokens, hidden, experts, topk, torch.bfloat16, fp8_group is not None,
-                      fp8_group or 128, "nvshmem", 5.0, True)
+                      fp8_group or 128, "nvshmem", 5.0, True, timing)
         ep.group, ep.device = None, torch.device("cpu")
         ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
         ranks.append(ep)
@@ -98,3 +98,29 @@ def test_back_to_back_dispatches_and_two_in_flight():
                     assert torch.equal(recv_x[e, i], payload), (seed, r, e, i)
     for ep in ranks:
         assert not ep._status.any()
+
+
+def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call():
+    """validate=True: an id outside [-1, E) is found on the device, dropped like -1, and the next call
+    raises a ValueError naming the call, the slot and the value; the object stays usable."""
+    world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
+    ranks = simulated_world(world, tokens, hidden, experts, topk, 64, timing=True)
+    inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=3) for r in range(world)]
+    bad = [(x, ids.clone(), w) for x, ids, w in inputs]
+    bad[1][1][2, 1] = experts + 5
+    outs = [ep.dispatch(*bad[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
+    for *_, hook in outs:
+        hook()
+    dropped = [(x, ids.masked_fill(ids >= experts, -1), w) for x, ids, w in bad]
+    for r, (recv_x, recv_scales, recv_count, _, _) in enumerate(outs):
+        expected = expected_dispatch(r, world, dropped, experts, tokens, 64)
+        assert recv_count.tolist() == [len(rows) for rows in expected]
+    assert ranks[1].breakdown()["dispatch_total_us"] > 0
+    assert not ranks[0]._status.any()
+    with pytest.raises(ValueError, match=rf"rank 1: dispatch call 1 had topk_ids\[2, 1\] = {experts + 5}"):
+        ranks[1].dispatch(*inputs[1])
+    outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]   # usable again
+    for *_, hook in outs:
+        hook()
+    for r, (_, _, recv_count, _, _) in enumerate(outs):
+        assert recv_count.tolist() == [len(rows) for rows in expected_dispatch(r, world, inputs, experts, tokens, 64)]

@@ -3,65 +3,98 @@
 Four kernels, two per direction, each launched by ``moe_ep.EPAllToAll``:
 
 dispatch_send   (on every rank, for its own tokens)
-    programs [0, E)       "layout": program e scans this rank's topk ids in (token, k) order
-                          and writes, on the rank that owns expert e, the position of each hit
-                          among this rank's rows for e, and their count.
-    programs [E, grid)    "tokens": one work item = (token, column chunk). The chunk is
-                          quantized to FP8 once (``fp8_quantize_groups``) and stored once to
-                          every rank that owns at least one of the token's experts; the
+    programs [0, E)       "layout" (``_dispatch_layout``): program e scans this rank's topk ids in
+                          (token, k) order and writes, on the rank that owns expert e, the
+                          position of each hit among this rank's rows for e, and their count.
+    programs [E, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
+                          The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
+                          once to every rank that owns at least one of the token's experts; the
                           token's expert ids go to every rank, its weights to those ranks.
-    Every program then release-adds 1 to each receiver's arrival counter for (slot, me).
+    The last program to finish release-adds 1 to every receiver's arrival counter (slot, me).
 
 dispatch_recv   (on every rank)
-    Waits until every sender's counter says its whole grid has arrived, then fans each
-    received token out, in local HBM, to the rows of its local experts:
+    Waits until every sender's arrival counter has reached this call, then fans each received
+    token out, in local HBM, to the rows of its local experts:
     row = (rows of this expert from lower ranks) + (position sent by the layout program),
     so rows come in (source rank, token, k) order, the reference's order. It keeps what
-    combine needs (ids, weights, rows) in local memory and acks each sender.
+    combine needs (ids, weights, rows) in local memory; its last program to finish frees the
+    slot on every sender (credit counter (slot, me)).
 
 combine_send    (on every expert rank)
     One work item = (source rank, token, column chunk): sum_k w[k] * expert_out[row(k)]
     over the token's local experts, in fp32, in k order, cast to the output dtype, stored
-    once into the source rank's combine buffer; then release-add to its counter.
+    once into the source rank's combine buffer; the last program signals every source.
 
 combine_recv    (on every source rank)
-    Waits for every rank's counter, adds the per-rank rows in rank order in fp32 for the
-    ranks each token was routed to, casts; acks each expert rank.
+    Waits for every rank's signal, adds the per-rank rows in rank order in fp32 for the ranks
+    each token was routed to, casts; the last program frees the slot on every expert rank.
 
-Signals never carry a flag value that could be stale: each program keeps its own count of
-how often it has used each buffer slot, and a counter must reach uses * (sender grid).
-Those counts live in a per-kernel int64 `state` array [3, grid]: rows 0 and 1 count the uses
-of slots 0 and 1, row 2 is the program's clock word for the bounded waits.
-Before writing into a slot a sender waits for the receivers' acks of that slot's previous
-use, so a straggler is never overwritten. Every wait is bounded (``wait_until_ge``).
+The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
+n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
+still being read. Counters only grow: each program counts its own uses of each slot (``state``
+rows [0, SLOTS)), and a receiver waits until a sender's counter for the slot reaches that use
+count, so a stale signal can never pass for a fresh one. One signal per (call, peer): every
+program counts itself finished in a local counter (``finished[slot]``) and the last one, which
+by then has seen every other program's stores, releases them all with one atomic per peer, all
+peers at once. Before writing into a slot a sender waits for the receivers' credits for that
+slot's previous use. Every wait is bounded (``wait_all_ge``): a timeout writes the status words
+and the host raises.
 
-Peer addresses come in per-buffer tables: ``table[r]`` is the int64 address of rank r's copy.
+Buffers a kernel reaches on peers come in one peer table per direction: int64 [rows, world],
+``peers[ROW * world + r]`` = rank r's address of buffer ROW (the ``DISPATCH_PEERS`` /
+``COMBINE_PEERS`` rows).
+
+With ``TIMING`` on, each kernel records four global-timer stamps per call into its row of an
+int64 [4, 4] array (``STAMPS``): when its first program started, when its waits returned, when
+its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` reads them.
 """
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add, wait_until_ge
+from ..shmem import STATUS_WORDS, last_to_finish, now_ns, signal_add_all, wait_all_ge
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
+
+NUM_SLOTS = 2                # double buffering: call n uses slot n % 2
 
 # Which wait timed out, as written into the status tensor.
 TAG_DISPATCH_CREDIT = tl.constexpr(1)
 TAG_DISPATCH_ARRIVAL = tl.constexpr(2)
 TAG_COMBINE_CREDIT = tl.constexpr(3)
 TAG_COMBINE_ARRIVAL = tl.constexpr(4)
-TAGS = {1: "dispatch (waiting for the receiver to free its buffer)",
-        2: "dispatch (waiting for the sender's tokens)",
-        3: "combine (waiting for the receiver to free its buffer)",
-        4: "combine (waiting for the expert rank's rows)"}
+TAGS = {TAG_DISPATCH_CREDIT.value: "dispatch (waiting for the receiver to free its buffer)",
+        TAG_DISPATCH_ARRIVAL.value: "dispatch (waiting for the sender's tokens)",
+        TAG_COMBINE_CREDIT.value: "combine (waiting for the receiver to free its buffer)",
+        TAG_COMBINE_ARRIVAL.value: "combine (waiting for the expert rank's rows)"}
 
-# Run-time ints: no specialization on their values (an int equal to 1 would become a constexpr).
-# hidden and max_tokens stay specialized: their divisibility by 16 is what lets loads and stores vectorize.
-_INTS = ["slot", "rank", "world", "topk", "experts_per_rank", "peer_programs", "timeout_ns"]
+# Status words after the timeout report (moe_ep.shmem): the first out-of-range expert id a dispatch
+# saw (its call number, 0 = none; the id; its flat index into topk_ids).
+STATUS_BAD_CALL = tl.constexpr(STATUS_WORDS)
+STATUS_BAD_ID = tl.constexpr(STATUS_WORDS + 1)
+STATUS_BAD_INDEX = tl.constexpr(STATUS_WORDS + 2)
+EP_STATUS_WORDS = STATUS_WORDS + 3
+
+# Rows of the peer tables.
+D_DATA, D_SCALES, D_IDS, D_WEIGHTS, D_POSITIONS, D_COUNTS, D_TOKENS, D_ARRIVED, D_FREED = (
+    tl.constexpr(i) for i in range(9))
+DISPATCH_PEERS = ("data", "scales", "ids", "weights", "positions", "counts", "tokens", "arrived", "freed")
+C_DATA, C_ARRIVED, C_FREED = (tl.constexpr(i) for i in range(3))
+COMBINE_PEERS = ("data", "arrived", "freed")
+
+# Timing stamps per kernel (TIMING): rows of the int64 [4, 4] stamp array, then its columns.
+KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+STAMPS = ("started", "waited", "worked", "signaled")
+STAMP_STARTED, STAMP_WAITED, STAMP_WORKED, STAMP_SIGNALED = (tl.constexpr(i) for i in range(4))
+
+# Run-time ints: no specialization on their values (an int equal to 1 would become a constexpr), so one
+# compiled kernel serves every max_tokens. hidden stays specialized: its divisibility by 16 is what lets
+# row loads and stores vectorize.
+_INTS = ["call", "slot", "rank", "world", "max_tokens", "topk", "experts_per_rank", "timeout_ns"]
 
 
 @triton.jit
-def _peer(table, r, dtype: tl.constexpr):
-    """Rank r's copy of a symmetric buffer, as a pointer to dtype (symmetric buffers are 16-byte aligned)."""
-    return tl.multiple_of(tl.load(table + r).to(tl.pointer_type(dtype)), 16)
+def _peer(peers, row, r, world, dtype: tl.constexpr):
+    """Rank r's copy of peer-table buffer `row`, as a pointer to dtype (symmetric buffers are 16-byte aligned)."""
+    return tl.multiple_of(tl.load(peers + row * world + r).to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -79,20 +112,28 @@ def _next_use(state, slot):
 
 
 @triton.jit
-def _wait_all(flags, slot, world, target, timeout_ns, status, tag, state):
-    """Wait until flags[slot, r] >= target for every rank r; False if any wait timed out."""
-    clock = state + 2 * tl.num_programs(0) + tl.program_id(0)
-    ok = target >= 0
-    for r in range(world):
-        ok = ok & wait_until_ge(flags + slot * world + r, target, timeout_ns, status, r, tag, clock)
-    return ok
+def _clock(state, SLOTS: tl.constexpr):
+    """This program's clock word for the bounded waits: row SLOTS of `state`."""
+    return state + SLOTS * tl.num_programs(0) + tl.program_id(0)
 
 
 @triton.jit
-def _signal_all(table, slot, rank, world):
-    """Add 1 to entry [slot, rank] of every rank's copy of an int64 [2, world] counter array."""
-    for r in range(world):
-        signal_add(_peer(table, r, tl.int64) + slot * world + rank, 1)
+def _stamp(stamps, which: tl.constexpr, TIMING: tl.constexpr):
+    """Record the global timer in stamps[which]: the earliest start, the latest of the other stamps."""
+    if TIMING:
+        if which == STAMP_STARTED:
+            tl.atomic_min(stamps + which, now_ns(), sem="relaxed")
+        else:
+            tl.atomic_max(stamps + which, now_ns(), sem="relaxed")
+
+
+@triton.jit
+def _finish(finished, use, peers, row, offset, world, stamps, TIMING: tl.constexpr, WORLD_PAD: tl.constexpr):
+    """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank."""
+    _stamp(stamps, STAMP_WORKED, TIMING)
+    if last_to_finish(finished, use * tl.num_programs(0)):
+        signal_add_all(peers + row * world, offset, world, 1, WORLD_PAD)
+        _stamp(stamps, STAMP_SIGNALED, TIMING)
 
 
 @triton.jit
@@ -101,102 +142,139 @@ def _pick(values, index, k):
     return tl.sum(tl.where(index == k, values, 0), axis=0)
 
 
+@triton.jit
+def _dispatch_layout(ids_ptr, peers, status, expert, stage, num_tokens, call, world, max_tokens, topk,
+                     experts_per_rank, num_experts, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
+    """Positions of this rank's (token, k) hits for `expert` among its rows, in (t, k) order, and their
+    count, written to the owner's positions [T_max, K] and counts [E_loc] of row block `stage`.
+    With VALIDATE, expert 0's program also reports the first id outside [-1, E) in the status words."""
+    owner = expert // experts_per_rank
+    positions = _peer(peers, D_POSITIONS, owner, world, tl.int32) + stage * max_tokens * topk
+    found = tl.zeros((), tl.int32)
+    n = num_tokens * topk
+    first_bad = n
+    for i0 in range(0, n, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
+        hit = (ids == expert).to(tl.int32)
+        tl.store(positions + i, found + tl.cumsum(hit, 0) - 1, mask=hit > 0)
+        found += tl.sum(hit, 0)
+        if VALIDATE:
+            bad = (i < n) & ((ids < -1) | (ids >= num_experts))
+            first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, i, n), 0))
+    if VALIDATE:
+        if (expert == 0) & (first_bad < n):
+            tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
+            tl.store(status + STATUS_BAD_INDEX, first_bad)
+            tl.store(status + STATUS_BAD_CALL, call)
+    counts = _peer(peers, D_COUNTS, owner, world, tl.int32) + stage * experts_per_rank
+    tl.store(counts + expert - owner * experts_per_rank, found)
+
+
+@triton.jit
+def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, world, max_tokens,
+                     hidden, topk, experts_per_rank,
+                     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
+    """Work items item0, item0 + items_step, ... of (token, chunk of BLOCK_GROUPS * GROUP columns):
+    quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
+    experts; with the first chunk, the token's ids to every rank and its weights to those ranks."""
+    kk = tl.arange(0, K_PAD)
+    groups = tl.arange(0, BLOCK_GROUPS)
+    columns = tl.arange(0, GROUP)
+    chunk_cols: tl.constexpr = BLOCK_GROUPS * GROUP
+    chunks = tl.cdiv(hidden, chunk_cols)
+    num_groups = hidden // GROUP
+    for item in range(item0, num_tokens * chunks, items_step):
+        t = item // chunks
+        chunk = item % chunks
+        ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
+        dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
+        row = stage.to(tl.int64) * max_tokens + t
+        if chunk == 0:
+            weights = tl.load(w_ptr + t * topk + kk, mask=kk < topk, other=0.0).to(tl.float32)
+            for r in range(world):
+                tl.store(_peer(peers, D_IDS, r, world, tl.int32) + row * topk + kk, ids, mask=kk < topk)
+                if tl.max((dest == r).to(tl.int32), 0) > 0:
+                    tl.store(_peer(peers, D_WEIGHTS, r, world, tl.float32) + row * topk + kk, weights,
+                             mask=kk < topk)
+        g = chunk * BLOCK_GROUPS + groups
+        cols = g[:, None] * GROUP + columns[None, :]
+        mask = cols < hidden
+        x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
+        if FP8:
+            values, scales = fp8_quantize_groups(x.to(tl.float32))
+            payload = to_fp8(values)
+        else:
+            payload = x
+        for r in range(world):
+            if tl.max((dest == r).to(tl.int32), 0) > 0:
+                tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * hidden + cols, payload, mask=mask)
+                if FP8:
+                    tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
+                             mask=g < num_groups)
+
+
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
-    data_peers, scale_peers, ids_peers, w_peers, pos_peers, count_peers, ntok_peers, flag_peers,
-    ack_ptr, state_ptr, status_addr,
-    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts,
-    peer_programs, timeout_ns,
+    peers,                                                   # int64 [DISPATCH_PEERS, world]
+    freed_ptr,                                               # my credit counters [SLOTS, world]
+    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr, VALIDATE: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
-    ntok [] i32; flags [2, world] i64. `peer_programs` is the receiver's grid size."""
-    status = status_addr.to(tl.pointer_type(tl.int32))
+    tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
-    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_DISPATCH_CREDIT,
-                   state_ptr)
+    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT,
+                     _clock(state_ptr, SLOTS), WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     pid = tl.program_id(0)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
         if pid < num_experts:
-            # Layout: positions of (token, k) hits for expert `pid` among my rows, in (t, k) order.
-            owner = pid // experts_per_rank
-            positions = _peer(pos_peers, owner, tl.int32) + stage * max_tokens * topk
-            found = tl.zeros((), tl.int32)
-            n = num_tokens * topk
-            for i0 in range(0, n, BLOCK_I):
-                i = i0 + tl.arange(0, BLOCK_I)
-                hit = (tl.load(ids_ptr + i, mask=i < n, other=-1) == pid).to(tl.int32)
-                tl.store(positions + i, found + tl.cumsum(hit, 0) - 1, mask=hit > 0)
-                found += tl.sum(hit, 0)
-            counts = _peer(count_peers, owner, tl.int32) + stage * experts_per_rank
-            tl.store(counts + pid - owner * experts_per_rank, found)
+            _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
+                             experts_per_rank, num_experts, BLOCK_I, VALIDATE)
         else:
-            j = pid - num_experts
-            token_programs = tl.num_programs(0) - num_experts
-            if j == 0:
+            if pid == num_experts:
                 for r in range(world):
-                    tl.store(_peer(ntok_peers, r, tl.int32) + stage, num_tokens)
-            kk = tl.arange(0, K_PAD)
-            groups = tl.arange(0, BLOCK_GROUPS)
-            columns = tl.arange(0, GROUP)
-            chunk_cols: tl.constexpr = BLOCK_GROUPS * GROUP
-            chunks = tl.cdiv(hidden, chunk_cols)
-            for item in range(j, num_tokens * chunks, token_programs):
-                t = item // chunks
-                chunk = item % chunks
-                ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
-                dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
-                row = stage.to(tl.int64) * max_tokens + t
-                if chunk == 0:
-                    weights = tl.load(w_ptr + t * topk + kk, mask=kk < topk, other=0.0).to(tl.float32)
-                    for r in range(world):
-                        tl.store(_peer(ids_peers, r, tl.int32) + row * topk + kk, ids, mask=kk < topk)
-                        if tl.max((dest == r).to(tl.int32), 0) > 0:
-                            tl.store(_peer(w_peers, r, tl.float32) + row * topk + kk, weights, mask=kk < topk)
-                g = chunk * BLOCK_GROUPS + groups
-                cols = g[:, None] * GROUP + columns[None, :]
-                mask = cols < hidden
-                x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
-                if FP8:
-                    values, scales = fp8_quantize_groups(x.to(tl.float32))
-                    payload = to_fp8(values)
-                else:
-                    payload = x
-                for r in range(world):
-                    if tl.max((dest == r).to(tl.int32), 0) > 0:
-                        tl.store(_peer(data_peers, r, payload.dtype) + row * hidden + cols, payload, mask=mask)
-                        if FP8:
-                            num_groups = hidden // GROUP
-                            tl.store(_peer(scale_peers, r, tl.float32) + row * num_groups + g, scales,
-                                     mask=g < num_groups)
-        _signal_all(flag_peers, slot, rank, world)
+                    tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+            _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - num_experts, tl.num_programs(0) - num_experts,
+                             stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank,
+                             FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS)
 def dispatch_recv_kernel(
-    data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, ntok_ptr, flag_ptr,   # my staging
-    ack_peers,
+    data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
+    peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
-    keep_ids_ptr, keep_w_ptr, keep_row_ptr, keep_ntok_ptr,      # [world, T_max, K] x3, [world]
-    state_ptr, status_addr,
-    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
+    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
+    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+    WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr, TIMING: tl.constexpr,
 ):
-    """R = world * max_tokens rows per local expert; `peer_programs` is the sender's grid size."""
-    status = status_addr.to(tl.pointer_type(tl.int32))
+    """R = world * max_tokens rows per local expert."""
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
-    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_DISPATCH_ARRIVAL, state_ptr)
+    ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL,
+                     _clock(state_ptr, SLOTS), WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     pid = tl.program_id(0)
     rows_per_expert = world * max_tokens
     stage = slot * world                                   # first source row block of this slot
     if ok:
         if pid == 0:
             for src in range(world):
-                tl.store(keep_ntok_ptr + src, tl.load(ntok_ptr + stage + src))
+                tl.store(kept_tokens_ptr + src, tl.load(tokens_ptr + stage + src))
             for e0 in range(0, experts_per_rank, 128):
                 e = e0 + tl.arange(0, 128)
                 total = tl.zeros((128,), tl.int32)
@@ -215,7 +293,7 @@ def dispatch_recv_kernel(
             chunk = item % chunks
             src = src_row // max_tokens
             t = src_row % max_tokens
-            if t < tl.load(ntok_ptr + stage + src):
+            if t < tl.load(tokens_ptr + stage + src):
                 meta = (stage * max_tokens + src_row) * topk + kk
                 ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
                 local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
@@ -225,11 +303,11 @@ def dispatch_recv_kernel(
                     row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
                 row = tl.where(local, row, -1)
                 if chunk == 0:
-                    keep = src_row * topk + kk
-                    tl.store(keep_ids_ptr + keep, ids, mask=kk < topk)
-                    tl.store(keep_w_ptr + keep, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
-                    tl.store(keep_row_ptr + keep, row, mask=kk < topk)
-                    tl.store(recv_src_ptr + expert * rows_per_expert + row, keep, mask=local)
+                    kept = src_row * topk + kk
+                    tl.store(kept_ids_ptr + kept, ids, mask=kk < topk)
+                    tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
+                    tl.store(kept_row_ptr + kept, row, mask=kk < topk)
+                    tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
                 if tl.max(local.to(tl.int32), 0) > 0:
                     g = chunk * BLOCK_GROUPS + groups
                     cols = g[:, None] * GROUP + columns[None, :]
@@ -245,22 +323,27 @@ def dispatch_recv_kernel(
                             tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
                             if FP8:
                                 tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
-        _signal_all(ack_peers, slot, rank, world)
+    _finish(finished_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS)
 def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
-    keep_ids_ptr, keep_w_ptr, keep_row_ptr, keep_ntok_ptr,   # from the dispatch slot of the handle
-    data_peers, flag_peers, ack_ptr, state_ptr, status_addr,
-    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
+    peers,                                                   # int64 [COMBINE_PEERS, world]
+    freed_ptr, finished_ptr, state_ptr, status_addr, stamps_ptr,
+    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
-    """Combine staging on each source rank: data [2, world, T_max, H] (output dtype), flags [2, world]."""
-    status = status_addr.to(tl.pointer_type(tl.int32))
+    """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
+    arrived and freed counters [SLOTS, world] i64."""
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
-    ok = _wait_all(ack_ptr, slot, world, (use - 1) * peer_programs, timeout_ns, status, TAG_COMBINE_CREDIT,
-                   state_ptr)
+    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT,
+                     _clock(state_ptr, SLOTS), WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
         rows_per_expert = world * max_tokens
         chunks = tl.cdiv(hidden, BLOCK_H)
@@ -269,14 +352,14 @@ def combine_send_kernel(
             src_row = item // chunks
             src = src_row // max_tokens
             t = src_row % max_tokens
-            if t < tl.load(keep_ntok_ptr + src):
+            if t < tl.load(kept_tokens_ptr + src):
                 meta = src_row * topk + kk
-                ids = tl.load(keep_ids_ptr + meta, mask=kk < topk, other=-1)
+                ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
                 local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
                 if tl.max(local.to(tl.int32), 0) > 0:
-                    rows = tl.load(keep_row_ptr + meta, mask=local, other=0)
+                    rows = tl.load(kept_row_ptr + meta, mask=local, other=0)
                     experts = tl.where(local, ids - rank * experts_per_rank, 0)
-                    weights = tl.load(keep_w_ptr + meta, mask=local, other=0.0)
+                    weights = tl.load(kept_w_ptr + meta, mask=local, other=0.0)
                     cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
                     mask = cols < hidden
                     acc = tl.zeros((BLOCK_H,), tl.float32)
@@ -285,22 +368,28 @@ def combine_send_kernel(
                         dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
                         y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
                         acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
-                    out = _peer(data_peers, src, y_ptr.dtype.element_ty)
+                    out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
                     row = (slot * world + rank).to(tl.int64) * max_tokens + t
                     tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
-        _signal_all(flag_peers, slot, rank, world)
+    _finish(finished_ptr + slot, use, peers, C_ARRIVED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
 def combine_recv_kernel(
     out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
-    data_ptr, flag_ptr, ack_peers, state_ptr, status_addr,
-    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, peer_programs, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    data_ptr, arrived_ptr,                                   # my combine staging, arrival counters
+    peers,                                                   # int64 [COMBINE_PEERS, world]: the expert ranks' credits
+    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
-    status = status_addr.to(tl.pointer_type(tl.int32))
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
-    ok = _wait_all(flag_ptr, slot, world, use * peer_programs, timeout_ns, status, TAG_COMBINE_ARRIVAL, state_ptr)
+    ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL,
+                     _clock(state_ptr, SLOTS), WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
         chunks = tl.cdiv(hidden, BLOCK_H)
         kk = tl.arange(0, K_PAD)
@@ -317,4 +406,4 @@ def combine_recv_kernel(
                 part = tl.load(data_ptr + row * hidden + cols, mask=cols < tl.where(routed, hidden, 0), other=0.0)
                 acc = tl.where(routed, acc + part.to(tl.float32), acc)
             tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
-        _signal_all(ack_peers, slot, rank, world)
+    _finish(finished_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)

@@ -1,0 +1,81 @@
+"""Launch a Triton kernel with little host work: bind what never changes once, then call the
+compiled kernel's launcher directly.
+
+A plain ``kernel[grid](**kwargs)`` binds every argument, computes the specialization key and
+looks the compiled kernel up on every call: tens of microseconds for a kernel with thirty
+arguments, more than the kernel itself takes at decode sizes. ``BoundKernel`` does that work
+once per specialization of the arguments that change between calls (the dtype and 16-byte
+alignment of tensors, the specialized properties of ints) and afterwards builds only the
+argument list:
+
+    send = BoundKernel(dispatch_send_kernel, grid=264, varying=("x_ptr", "num_tokens"),
+                       peers=table, timeout_ns=10**10, FP8=True, num_warps=4)
+    send(x, x.shape[0])           # first call per specialization: the usual path (compiles)
+    send(x2, x2.shape[0])         # later calls: the compiled launcher, on the current stream
+
+Under the Triton interpreter every call takes the usual path.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+from .shmem import INTERPRETING
+
+# Keyword arguments of a launch that are compile options, not kernel arguments.
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_libs", "maxnreg")
+
+
+def _specialization(value):
+    """What Triton specializes on: a tensor's dtype and 16-byte alignment, an int's value class."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0
+    return value
+
+
+def _address(value):
+    """Tensors travel to the launcher as their addresses: one method call fewer per argument and launch."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+
+
+class BoundKernel:
+    """`fn` with its 1-D grid, compile options and every argument but `varying` bound once.
+
+    Call it with the values of `varying`, positionally, in that order.
+    """
+
+    def __init__(self, fn: triton.JITFunction, grid: int, varying: Sequence[str], **arguments):
+        self.fn, self.grid, self.varying = fn, grid, tuple(varying)
+        self.options = {k: arguments.pop(k) for k in OPTIONS if k in arguments}
+        self.fixed = arguments
+        names = list(fn.arg_names)
+        unknown = (set(arguments) | set(self.varying)) - set(names)
+        missing = set(names) - set(arguments) - set(self.varying)
+        if unknown or missing:
+            raise TypeError(f"{fn.__name__}: unknown arguments {sorted(unknown)}, missing {sorted(missing)}")
+        self._template = [_address(arguments.get(name)) for name in names]   # self.fixed keeps the tensors alive
+        self._positions = [names.index(name) for name in self.varying]
+        self._compiled = {}
+
+    def __call__(self, *values) -> None:
+        if not INTERPRETING:
+            compiled = self._compiled.get(tuple(map(_specialization, values)))
+            if compiled is not None:
+                args = self._template.copy()
+                for position, value in zip(self._positions, values):
+                    args[position] = value
+                stream = driver.active.get_current_stream(torch.cuda.current_device())
+                metadata = (compiled.launch_metadata((self.grid, 1, 1), stream, *args)
+                            if knobs.runtime.launch_enter_hook is not None else None)
+                compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                             knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+                return
+        kernel = self.fn[(self.grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
+        if not INTERPRETING:
+            self._compiled[tuple(map(_specialization, values))] = kernel
