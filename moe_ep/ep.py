@@ -33,10 +33,14 @@ from .launcher import BoundKernel
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
 SLOTS = kernels.NUM_SLOTS
-PROGRAMS_PER_SM = 4          # 4 programs of 4 warps per SM keep enough loads and stores in flight to cover NVLink latency
+# Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 127
+# per thread, so 4 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
+# rows in flight to cover HBM and NVLink latency.
+PROGRAMS_PER_SM = {"dispatch_send": 4, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
-LAYOUT_IDS = 2048            # topk ids a layout program scans per step (one cumsum)
+LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
+LAYOUT_TILE = 4096           # ids x experts compared per layout step: 32 per thread of 4 warps
 
 
 @dataclass
@@ -115,7 +119,7 @@ class EPAllToAll(runtime.CommObject):
         sms = self._open(group, backend)
         if sms is None:
             return
-        self._allocate(runtime.symmetric_zeros, programs=PROGRAMS_PER_SM * sms)
+        self._allocate(runtime.symmetric_zeros, sms)
         self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
@@ -136,9 +140,9 @@ class EPAllToAll(runtime.CommObject):
         self._symmetric: dict[str, torch.Tensor] = {}
         self._broken: str | None = None
 
-    def _allocate(self, symmetric_zeros, programs: int) -> None:
+    def _allocate(self, symmetric_zeros, sms: int) -> None:
         """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on self.device.
-        `programs` bounds every grid (it must be the same on every rank)."""
+        Grids are bounded by `sms` (the same on every rank) times PROGRAMS_PER_SM."""
         S, W, T, H, K, EL = SLOTS, self.world, self.max_tokens, self.hidden, self.topk, self.experts_per_rank
         payload = torch.float8_e4m3fn if self.fp8_group else self.dtype
         G = H // self.fp8_group if self.fp8_group else 1
@@ -160,15 +164,18 @@ class EPAllToAll(runtime.CommObject):
         self._symmetric = {f"dispatch.{n}": getattr(self.dispatch_buffers, n) for n in kernels.DISPATCH_PEERS}
         self._symmetric.update({f"combine.{n}": getattr(self.combine_buffers, n) for n in kernels.COMBINE_PEERS})
         self._status = torch.zeros(kernels.EP_STATUS_WORDS, dtype=i32, pin_memory=self.device.type == "cuda")
-        self._status_words = self._status.numpy()
+        self._status_words = self._status.numpy()        # read by the host without a sync: pinned, written by kernels
+        d = self.dispatch_buffers
+        self._outputs = [(d.recv_x[s], d.recv_scales[s] if self.fp8_group else None, d.recv_count[s], d.recv_src[s])
+                         for s in range(S)]               # per slot: dispatch's outputs, as views made once
 
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
-        self._grid = {
-            "dispatch_send": self.num_experts + min(T * chunks, programs),
-            "dispatch_recv": min(W * T * chunks, programs),
-            "combine_send": min(W * T * triton.cdiv(H, COMBINE_COLUMNS), programs),
-            "combine_recv": min(T * triton.cdiv(H, COMBINE_COLUMNS), programs),
-        }
+        self._layout_ids = min(LAYOUT_IDS, triton.next_power_of_2(T * K))
+        self._layout_experts = min(triton.next_power_of_2(self.num_experts), max(1, LAYOUT_TILE // self._layout_ids))
+        work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks,
+                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * triton.cdiv(H, COMBINE_COLUMNS)}
+        self._grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
+        self._grid["dispatch_send"] += triton.cdiv(self.num_experts, self._layout_experts)   # the layout programs
         # Per kernel: every program's use count of each slot and its clock word [S + 1, grid]; programs
         # finished per slot [S]; timing stamps [4] (kernels.STAMPS; reset to "none yet" before a timed call).
         self._state = {name: local((S + 1, grid), i64) for name, grid in self._grid.items()}
@@ -208,7 +215,8 @@ class EPAllToAll(runtime.CommObject):
 
         self._dispatch_send = [kernel(
             "dispatch_send", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
-            peers=self._dispatch_peers, freed_ptr=d.freed, num_experts=self.num_experts, BLOCK_I=LAYOUT_IDS,
+            peers=self._dispatch_peers, freed_ptr=d.freed, num_experts=self.num_experts,
+            EXPERTS_BLOCK=self._layout_experts, BLOCK_I=self._layout_ids,
             VALIDATE=self.validate, **dispatch) for s in range(SLOTS)]
         self._dispatch_recv = [kernel(
             "dispatch_recv", kernels.dispatch_recv_kernel, s,
@@ -234,8 +242,13 @@ class EPAllToAll(runtime.CommObject):
         return f"; calls {self._calls}"
 
     def _raise_if_failed(self) -> None:
+        """The base's checks (destroyed, a timeout), then the first out-of-range expert id a dispatch saw."""
+        if self._broken or self.backend == "reference":
+            return super()._raise_if_failed()
+        if not (self._status_words[0] or self._status_words[kernels.STATUS_BAD_CALL.value]):
+            return                                      # the common case: two reads of pinned memory
         super()._raise_if_failed()
-        if self.backend == "nvshmem" and self._status_words[kernels.STATUS_BAD_CALL.value]:
+        if self._status_words[kernels.STATUS_BAD_CALL.value]:
             call, bad, index = (int(self._status_words[w.value]) for w in
                                 (kernels.STATUS_BAD_CALL, kernels.STATUS_BAD_ID, kernels.STATUS_BAD_INDEX))
             self._status_words[kernels.STATUS_BAD_CALL.value] = 0
@@ -293,12 +306,12 @@ class EPAllToAll(runtime.CommObject):
             outputs = (recv_x, recv_scales, recv_count, handle)
             return (*outputs, _no_hook) if return_recv_hook else outputs
 
-        d = self.dispatch_buffers
-        handle = EPHandle(slot, call, x.shape[0], topk_ids, d.recv_src[slot])
+        recv_x, recv_scales, recv_count, recv_src = self._outputs[slot]
+        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src)
         if self.timing:
             self._stamps[:2].copy_(self._unstamped[:2])
         self._dispatch_send[slot](x, topk_ids, topk_weights, x.shape[0], call)
-        outputs = (d.recv_x[slot], d.recv_scales[slot] if self.fp8_group else None, d.recv_count[slot], handle)
+        outputs = (recv_x, recv_scales, recv_count, handle)
         receive = self._dispatch_recv[slot]
         if not return_recv_hook:
             receive()

@@ -4,9 +4,9 @@ compiled kernel's launcher directly.
 A plain ``kernel[grid](**kwargs)`` binds every argument, computes the specialization key and
 looks the compiled kernel up on every call: tens of microseconds for a kernel with thirty
 arguments, more than the kernel itself takes at decode sizes. ``BoundKernel`` does that work
-once per specialization of the arguments that change between calls (the dtype and 16-byte
-alignment of tensors, the specialized properties of ints) and afterwards builds only the
-argument list:
+once per specialization of the arguments that change between calls (what Triton specializes
+on: the dtype and 16-byte alignment of tensors, whether an int is 1 or a multiple of 16) and
+afterwards builds only the argument list, tensors as their addresses:
 
     send = BoundKernel(dispatch_send_kernel, grid=264, varying=("x_ptr", "num_tokens"),
                        peers=table, timeout_ns=10**10, FP8=True, num_warps=4)
@@ -30,15 +30,6 @@ from .shmem import INTERPRETING
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_libs", "maxnreg")
 
 
-def _specialization(value):
-    """What Triton specializes on: a tensor's dtype and 16-byte alignment, an int's value class."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, int):
-        return value == 1, value % 16 == 0
-    return value
-
-
 def _address(value):
     """Tensors travel to the launcher as their addresses: one method call fewer per argument and launch."""
     return value.data_ptr() if isinstance(value, torch.Tensor) else value
@@ -47,7 +38,7 @@ def _address(value):
 class BoundKernel:
     """`fn` with its 1-D grid, compile options and every argument but `varying` bound once.
 
-    Call it with the values of `varying`, positionally, in that order.
+    Call it with the values of `varying` (tensors or ints), positionally, in that order.
     """
 
     def __init__(self, fn: triton.JITFunction, grid: int, varying: Sequence[str], **arguments):
@@ -65,11 +56,17 @@ class BoundKernel:
 
     def __call__(self, *values) -> None:
         if not INTERPRETING:
-            compiled = self._compiled.get(tuple(map(_specialization, values)))
-            if compiled is not None:
-                args = self._template.copy()
-                for position, value in zip(self._positions, values):
+            args, key = self._template.copy(), []
+            for position, value in zip(self._positions, values):
+                if isinstance(value, torch.Tensor):
+                    address = value.data_ptr()
+                    key.append((value.dtype, address % 16 == 0))
+                    args[position] = address
+                else:
+                    key.append((value == 1, value % 16 == 0))
                     args[position] = value
+            compiled = self._compiled.get(tuple(key))
+            if compiled is not None:
                 stream = driver.active.get_current_stream(torch.cuda.current_device())
                 metadata = (compiled.launch_metadata((self.grid, 1, 1), stream, *args)
                             if knobs.runtime.launch_enter_hook is not None else None)
@@ -78,4 +75,4 @@ class BoundKernel:
                 return
         kernel = self.fn[(self.grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
         if not INTERPRETING:
-            self._compiled[tuple(map(_specialization, values))] = kernel
+            self._compiled[tuple(key)] = kernel

@@ -108,7 +108,7 @@ class CommObject:
         if self._broken:
             raise CommTimeoutError(self._broken)
         if self.backend == "nvshmem" and int(self._status[0]):
-            _, peer, tag, seen, target = self._status.tolist()
+            _, peer, tag, seen, target = self._status.tolist()[:5]   # the words of moe_ep.shmem.wait_until_ge
             self._broken = (f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
                             f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")
             raise CommTimeoutError(self._broken)

@@ -272,6 +272,11 @@ if INTERPRETING:
     @triton.jit
     def _pause(x):
         return x
+
+    @triton.jit
+    def load_acquire(flags):
+        """Load int64 flags (a pointer or a block of pointers)."""
+        return tl.load(flags)
 else:
     @triton.jit
     def now_ns():
@@ -283,6 +288,14 @@ else:
         """Back off ~100 ns between polls, so spinning programs leave the memory system to the writers."""
         return tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64,
                                          is_pure=False, pack=1)
+
+    @triton.jit
+    def load_acquire(flags):
+        """Load int64 flags with acquire semantics at system scope: what a writer stored before its
+        release is visible after the load. A plain load, unlike an atomic: many programs polling one
+        flag are served by the cache instead of queueing one by one at it."""
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [flags.to(tl.int64)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -321,20 +334,22 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
 def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD: tl.constexpr):
     """Spin until flags[i] >= target for every i < count (int64, local), for at most `timeout_ns`.
 
-    All flags are polled at once (one thread each), so waiting for several peers costs one
-    round of polls, not one per peer. On timeout, reports the first flag i short of the target
-    as the peer, like ``wait_until_ge``, and returns False.
+    All flags are polled at once, with plain acquire loads (``load_acquire``), so waiting for
+    several peers costs one round of polls, not one per peer, and many programs can poll the same
+    flags. On timeout, reports the first flag i short of the target as the peer, like
+    ``wait_until_ge``, and returns False. The closing barrier extends every thread's acquire to
+    the whole program.
     """
     i = tl.arange(0, COUNT_PAD)
     live = i < count
+    polled = flags + tl.where(live, i, 0)               # padding lanes poll flag 0 again
     tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
     deadline = now + timeout_ns
-    values = tl.atomic_add(flags + i, 0, mask=live, sem="acquire", scope="sys")
+    values = load_acquire(polled)
     short = tl.sum((live & (values < target)).to(tl.int32), 0)
     while (short > 0) & (now < deadline):
-        polled = _pause((flags + i).to(tl.int64)).to(flags.dtype)
-        values = tl.atomic_add(polled, 0, mask=live, sem="acquire", scope="sys")
+        values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
         short = tl.sum((live & (values < target)).to(tl.int32), 0)
         now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     if short > 0:

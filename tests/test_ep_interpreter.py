@@ -24,7 +24,7 @@ def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=
         ep._configure(world, rank, max_tokens, hidden, experts, topk, torch.bfloat16, fp8_group is not None,
                       fp8_group or 128, "nvshmem", 5.0, True, timing)
         ep.group, ep.device = None, torch.device("cpu")
-        ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
+        ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=1)
         ranks.append(ep)
     for ep in ranks:
         ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])

@@ -3,10 +3,11 @@
 Four kernels, two per direction, each launched by ``moe_ep.EPAllToAll``:
 
 dispatch_send   (on every rank, for its own tokens)
-    programs [0, E)       "layout" (``_dispatch_layout``): program e scans this rank's topk ids in
-                          (token, k) order and writes, on the rank that owns expert e, the
-                          position of each hit among this rank's rows for e, and their count.
-    programs [E, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
+    programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
+                          (token, k) order for a block of experts and writes, on the rank that
+                          owns each expert e, the position of each hit among this rank's rows
+                          for e, and their count.
+    programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
                           The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
                           once to every rank that owns at least one of the token's experts; the
                           token's expert ids go to every rank, its weights to those ranks.
@@ -143,32 +144,37 @@ def _pick(values, index, k):
 
 
 @triton.jit
-def _dispatch_layout(ids_ptr, peers, status, expert, stage, num_tokens, call, world, max_tokens, topk,
-                     experts_per_rank, num_experts, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
-    """Positions of this rank's (token, k) hits for `expert` among its rows, in (t, k) order, and their
-    count, written to the owner's positions [T_max, K] and counts [E_loc] of row block `stage`.
-    With VALIDATE, expert 0's program also reports the first id outside [-1, E) in the status words."""
-    owner = expert // experts_per_rank
-    positions = _peer(peers, D_POSITIONS, owner, world, tl.int32) + stage * max_tokens * topk
-    found = tl.zeros((), tl.int32)
+def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
+                     experts_per_rank, num_experts,
+                     EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
+    """For experts [block * EXPERTS_BLOCK, ...) at once: the positions of this rank's (token, k) hits
+    for each expert among its rows, in (t, k) order, and their count, written to the owner's
+    positions [T_max, K] and counts [E_loc] of row block `stage`. With VALIDATE, block 0 also
+    reports the first id outside [-1, E) in the status words."""
+    experts = block * EXPERTS_BLOCK + tl.arange(0, EXPERTS_BLOCK)
+    real = experts < num_experts
+    owner = tl.where(real, experts // experts_per_rank, 0)
+    positions = tl.load(peers + D_POSITIONS * world + owner).to(tl.pointer_type(tl.int32))
+    positions += stage * max_tokens * topk
+    found = tl.zeros((EXPERTS_BLOCK,), tl.int32)
     n = num_tokens * topk
     first_bad = n
     for i0 in range(0, n, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
-        hit = (ids == expert).to(tl.int32)
-        tl.store(positions + i, found + tl.cumsum(hit, 0) - 1, mask=hit > 0)
-        found += tl.sum(hit, 0)
+        hit = ((ids[None, :] == experts[:, None]) & real[:, None]).to(tl.int32)   # [EXPERTS_BLOCK, BLOCK_I]
+        tl.store(positions[:, None] + i[None, :], found[:, None] + tl.cumsum(hit, 1) - 1, mask=hit > 0)
+        found += tl.sum(hit, 1)
         if VALIDATE:
             bad = (i < n) & ((ids < -1) | (ids >= num_experts))
             first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, i, n), 0))
     if VALIDATE:
-        if (expert == 0) & (first_bad < n):
+        if (block == 0) & (first_bad < n):
             tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
             tl.store(status + STATUS_BAD_INDEX, first_bad)
             tl.store(status + STATUS_BAD_CALL, call)
-    counts = _peer(peers, D_COUNTS, owner, world, tl.int32) + stage * experts_per_rank
-    tl.store(counts + expert - owner * experts_per_rank, found)
+    counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32)) + stage * experts_per_rank
+    tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
 
 
 @triton.jit
@@ -222,8 +228,8 @@ def dispatch_send_kernel(
     finished_ptr, state_ptr, status_addr, stamps_ptr,
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr, VALIDATE: tl.constexpr,
-    TIMING: tl.constexpr,
+    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
@@ -235,18 +241,19 @@ def dispatch_send_kernel(
                      _clock(state_ptr, SLOTS), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     pid = tl.program_id(0)
+    layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
-        if pid < num_experts:
+        if pid < layout_programs:
             _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
-                             experts_per_rank, num_experts, BLOCK_I, VALIDATE)
+                             experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
         else:
-            if pid == num_experts:
+            if pid == layout_programs:
                 for r in range(world):
                     tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
-            _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - num_experts, tl.num_programs(0) - num_experts,
-                             stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank,
-                             FP8, GROUP, BLOCK_GROUPS, K_PAD)
+            _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_programs,
+                             tl.num_programs(0) - layout_programs, stage, num_tokens, world, max_tokens, hidden,
+                             topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
     _finish(finished_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
