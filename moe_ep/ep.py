@@ -29,18 +29,20 @@ import triton
 from . import reference, runtime
 from .kernels import all_to_all as kernels
 from .launcher import BoundKernel
+from .shmem import INTERPRETING
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
 SLOTS = kernels.NUM_SLOTS
-# Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 127
-# per thread, so 4 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
+# Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 96
+# per thread, so 5 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
 # rows in flight to cover HBM and NVLink latency.
-PROGRAMS_PER_SM = {"dispatch_send": 4, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
+PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
-LAYOUT_TILE = 4096           # ids x experts compared per layout step: 32 per thread of 4 warps
+LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
+                             # costs dispatch_send registers: 127 at 4096)
 
 
 @dataclass
@@ -207,6 +209,9 @@ class EPAllToAll(runtime.CommObject):
                       status_addr=self._status.data_ptr(), K_PAD=triton.next_power_of_2(self.topk),
                       WORLD_PAD=triton.next_power_of_2(self.world), SLOTS=SLOTS, TIMING=self.timing, num_warps=4)
         dispatch = dict(FP8=fp8, GROUP=self.fp8_group or 128, BLOCK_GROUPS=CHUNK_COLUMNS // (self.fp8_group or 128))
+        # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
+        # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
+        early = {} if INTERPRETING else {"launch_pdl": True}
 
         def kernel(name, fn, slot, varying=(), **arguments):
             stamps = self._stamps[kernels.KERNELS.index(name)]
@@ -224,7 +229,7 @@ class EPAllToAll(runtime.CommObject):
             count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=self._dispatch_peers,
             recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
             recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
-            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], **dispatch) for s in range(SLOTS)]
+            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], **dispatch, **early) for s in range(SLOTS)]
         self._combine_send = {(s, ds): kernel(
             "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
             kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
@@ -233,7 +238,7 @@ class EPAllToAll(runtime.CommObject):
             for s in range(SLOTS) for ds in range(SLOTS)}
         self._combine_recv = [kernel(
             "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
-            data_ptr=c.data, arrived_ptr=c.arrived, peers=self._combine_peers, BLOCK_H=COMBINE_COLUMNS)
+            data_ptr=c.data, arrived_ptr=c.arrived, peers=self._combine_peers, BLOCK_H=COMBINE_COLUMNS, **early)
             for s in range(SLOTS)]
 
     # ------------------------------------------------------------------------------------ checks

@@ -22,12 +22,11 @@ from collections.abc import Sequence
 import torch
 import triton
 from triton import knobs
-from triton.runtime import driver
 
 from .shmem import INTERPRETING
 
 # Keyword arguments of a launch that are compile options, not kernel arguments.
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_libs", "maxnreg")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_libs", "maxnreg", "launch_pdl")
 
 
 def _address(value):
@@ -53,6 +52,7 @@ class BoundKernel:
         self._template = [_address(arguments.get(name)) for name in names]   # self.fixed keeps the tensors alive
         self._positions = [names.index(name) for name in self.varying]
         self._compiled = {}
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def __call__(self, *values) -> None:
         if not INTERPRETING:
@@ -67,7 +67,7 @@ class BoundKernel:
                     args[position] = value
             compiled = self._compiled.get(tuple(key))
             if compiled is not None:
-                stream = driver.active.get_current_stream(torch.cuda.current_device())
+                stream = torch._C._cuda_getCurrentRawStream(self._device)
                 metadata = (compiled.launch_metadata((self.grid, 1, 1), stream, *args)
                             if knobs.runtime.launch_enter_hook is not None else None)
                 compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,

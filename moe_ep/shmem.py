@@ -343,15 +343,16 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
     i = tl.arange(0, COUNT_PAD)
     live = i < count
     polled = flags + tl.where(live, i, 0)               # padding lanes poll flag 0 again
-    tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
-    now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
-    deadline = now + timeout_ns
     values = load_acquire(polled)
     short = tl.sum((live & (values < target)).to(tl.int32), 0)
-    while (short > 0) & (now < deadline):
-        values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
-        short = tl.sum((live & (values < target)).to(tl.int32), 0)
-        now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+    if short > 0:                                       # not there yet: start the clock and spin
+        tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+        now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+        deadline = now + timeout_ns
+        while (short > 0) & (now < deadline):
+            values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
+            short = tl.sum((live & (values < target)).to(tl.int32), 0)
+            now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     if short > 0:
         peer = tl.min(tl.where(live & (values < target), i, COUNT_PAD), 0)
         tl.store(status + 1, peer)

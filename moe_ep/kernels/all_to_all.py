@@ -52,7 +52,7 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import STATUS_WORDS, last_to_finish, now_ns, signal_add_all, wait_all_ge
+from ..shmem import INTERPRETING, STATUS_WORDS, last_to_finish, now_ns, signal_add_all, wait_all_ge
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
 
 NUM_SLOTS = 2                # double buffering: call n uses slot n % 2
@@ -90,6 +90,18 @@ STAMP_STARTED, STAMP_WAITED, STAMP_WORKED, STAMP_SIGNALED = (tl.constexpr(i) for
 # compiled kernel serves every max_tokens. hidden stays specialized: its divisibility by 16 is what lets
 # row loads and stores vectorize.
 _INTS = ["call", "slot", "rank", "world", "max_tokens", "topk", "experts_per_rank", "timeout_ns"]
+
+
+if INTERPRETING:
+    @triton.jit
+    def _start_receiver():
+        pass
+else:
+    @triton.jit
+    def _start_receiver():
+        """Let the receive kernel, launched next with programmatic dependent launch, start now: it reads
+        nothing this kernel writes locally, and spinning on the peers' signals early hides its launch."""
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -235,6 +247,7 @@ def dispatch_send_kernel(
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
     tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    _start_receiver()
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT,
@@ -346,6 +359,7 @@ def combine_send_kernel(
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
     arrived and freed counters [SLOTS, world] i64."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    _start_receiver()
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _next_use(state_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT,
