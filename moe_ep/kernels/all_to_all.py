@@ -150,21 +150,9 @@ def _finish(finished, use, peers, row, offset, world, stamps, TIMING: tl.constex
 
 
 @triton.jit
-def _ranks_of(ids_ptr, topk, experts_per_rank, K_PAD: tl.constexpr):
-    """Bit r set when one of a token's `topk` expert ids (at ids_ptr) lives on rank r (world <= 63; ids
-    past the last rank land on bit 63, -1 on none). Scalar loads: a block reduction per rank would cost
-    a barrier each."""
-    ranks = tl.zeros((), tl.int64)
-    for k in tl.static_range(K_PAD):
-        e = tl.load(ids_ptr + k, mask=k < topk, other=-1).to(tl.int64)
-        ranks |= tl.where(e >= 0, tl.full((), 1, tl.int64) << tl.minimum(e // experts_per_rank, 63), 0)
-    return ranks
-
-
-@triton.jit
-def _on(ranks, r):
-    """Whether bit r of a _ranks_of mask is set."""
-    return ((ranks >> r) & 1) != 0
+def _pick(values, index, k):
+    """values[k] of a short vector, as a scalar."""
+    return tl.sum(tl.where(index == k, values, 0), axis=0)
 
 
 @triton.jit
@@ -217,14 +205,14 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
     for item in range(item0, num_tokens * chunks, items_step):
         t = item // chunks
         chunk = item % chunks
-        ranks = _ranks_of(ids_ptr + t * topk, topk, experts_per_rank, K_PAD)
+        ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
+        dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
         row = stage.to(tl.int64) * max_tokens + t
         if chunk == 0:
-            ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
             weights = tl.load(w_ptr + t * topk + kk, mask=kk < topk, other=0.0).to(tl.float32)
             for r in range(world):
                 tl.store(_peer(peers, D_IDS, r, world, tl.int32) + row * topk + kk, ids, mask=kk < topk)
-                if _on(ranks, r):
+                if tl.max((dest == r).to(tl.int32), 0) > 0:
                     tl.store(_peer(peers, D_WEIGHTS, r, world, tl.float32) + row * topk + kk, weights,
                              mask=kk < topk)
         g = chunk * BLOCK_GROUPS + groups
@@ -237,7 +225,7 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
         else:
             payload = x
         for r in range(world):
-            if _on(ranks, r):
+            if tl.max((dest == r).to(tl.int32), 0) > 0:
                 tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * hidden + cols, payload, mask=mask)
                 if FP8:
                     tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
@@ -326,11 +314,21 @@ def dispatch_recv_kernel(
             src = src_row // max_tokens
             t = src_row % max_tokens
             if t < tl.load(tokens_ptr + stage + src):
-                meta = (stage * max_tokens + src_row) * topk
-                kept = src_row * topk
+                meta = (stage * max_tokens + src_row) * topk + kk
+                ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
+                local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
+                expert = tl.where(local, ids - rank * experts_per_rank, 0)
+                row = tl.load(pos_ptr + meta, mask=local, other=0)
+                for s in range(src):
+                    row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
+                row = tl.where(local, row, -1)
                 if chunk == 0:
-                    tl.store(kept_ids_ptr + kept + kk, tl.load(ids_ptr + meta + kk, mask=kk < topk), mask=kk < topk)
-                if _on(_ranks_of(ids_ptr + meta, topk, experts_per_rank, K_PAD), rank):
+                    kept = src_row * topk + kk
+                    tl.store(kept_ids_ptr + kept, ids, mask=kk < topk)
+                    tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
+                    tl.store(kept_row_ptr + kept, row, mask=kk < topk)
+                    tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
+                if tl.max(local.to(tl.int32), 0) > 0:
                     g = chunk * BLOCK_GROUPS + groups
                     cols = g[:, None] * GROUP + columns[None, :]
                     mask = cols < hidden
@@ -338,29 +336,13 @@ def dispatch_recv_kernel(
                     payload = tl.load(data_ptr + staged * hidden + cols, mask=mask)
                     if FP8:
                         scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < num_groups)
-                    for k in tl.static_range(K_PAD):         # scalars per k: no block reductions
-                        e = tl.load(ids_ptr + meta + k, mask=k < topk, other=-1)
-                        local = (e >= 0) & (e // experts_per_rank == rank)
-                        expert = tl.where(local, e - rank * experts_per_rank, 0)
-                        row = tl.load(pos_ptr + meta + k, mask=local, other=0)
-                        for s in range(src):
-                            row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
-                        if chunk == 0:
-                            if k < topk:
-                                tl.store(kept_w_ptr + kept + k, tl.load(w_ptr + meta + k, mask=local, other=0.0))
-                                tl.store(kept_row_ptr + kept + k, tl.where(local, row, -1))
-                        if local:
-                            if chunk == 0:
-                                tl.store(recv_src_ptr + expert * rows_per_expert + row, kept + k)
-                            dst = expert.to(tl.int64) * rows_per_expert + row
+                    for k in tl.static_range(K_PAD):
+                        row_k = _pick(row, kk, k)
+                        if row_k >= 0:
+                            dst = _pick(expert, kk, k).to(tl.int64) * rows_per_expert + row_k
                             tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
                             if FP8:
                                 tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
-                elif chunk == 0:                             # no local expert: nothing of it for combine
-                    for k in tl.static_range(K_PAD):
-                        if k < topk:
-                            tl.store(kept_w_ptr + kept + k, 0.0)
-                            tl.store(kept_row_ptr + kept + k, -1)
     _finish(finished_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
@@ -386,24 +368,27 @@ def combine_send_kernel(
     if ok:
         rows_per_expert = world * max_tokens
         chunks = tl.cdiv(hidden, BLOCK_H)
+        kk = tl.arange(0, K_PAD)
         for item in range(tl.program_id(0), rows_per_expert * chunks, tl.num_programs(0)):
             src_row = item // chunks
             src = src_row // max_tokens
             t = src_row % max_tokens
             if t < tl.load(kept_tokens_ptr + src):
-                meta = src_row * topk
-                if _on(_ranks_of(kept_ids_ptr + meta, topk, experts_per_rank, K_PAD), rank):
+                meta = src_row * topk + kk
+                ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
+                local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
+                if tl.max(local.to(tl.int32), 0) > 0:
+                    rows = tl.load(kept_row_ptr + meta, mask=local, other=0)
+                    experts = tl.where(local, ids - rank * experts_per_rank, 0)
+                    weights = tl.load(kept_w_ptr + meta, mask=local, other=0.0)
                     cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
                     mask = cols < hidden
                     acc = tl.zeros((BLOCK_H,), tl.float32)
-                    for k in tl.static_range(K_PAD):       # k order; scalars per k, the row loads all in flight
-                        e = tl.load(kept_ids_ptr + meta + k, mask=k < topk, other=-1)
-                        local = (e >= 0) & (e // experts_per_rank == rank)
-                        row = tl.load(kept_row_ptr + meta + k, mask=local, other=0)
-                        dst = tl.where(local, e - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + row
-                        y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local, hidden, 0), other=0.0)
-                        weight = tl.load(kept_w_ptr + meta + k, mask=local, other=0.0)
-                        acc = tl.where(local, acc + weight * y.to(tl.float32), acc)
+                    for k in tl.static_range(K_PAD):       # k order; the loads are all in flight at once
+                        local_k = _pick(local.to(tl.int32), kk, k) > 0
+                        dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
+                        y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
+                        acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
                     out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
                     row = (slot * world + rank).to(tl.int64) * max_tokens + t
                     tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
@@ -428,14 +413,16 @@ def combine_recv_kernel(
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
         chunks = tl.cdiv(hidden, BLOCK_H)
+        kk = tl.arange(0, K_PAD)
         for item in range(tl.program_id(0), num_tokens * chunks, tl.num_programs(0)):
             t = item // chunks
             cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
             mask = cols < hidden
-            ranks = _ranks_of(ids_ptr + t * topk, topk, experts_per_rank, K_PAD)
+            ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
+            dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
             acc = tl.zeros((BLOCK_H,), tl.float32)
             for r in tl.static_range(WORLD_PAD):            # rank order
-                routed = _on(ranks, r)
+                routed = tl.max((dest == r).to(tl.int32), 0) > 0
                 row = (slot * world + r).to(tl.int64) * max_tokens + t
                 part = tl.load(data_ptr + row * hidden + cols, mask=cols < tl.where(routed, hidden, 0), other=0.0)
                 acc = tl.where(routed, acc + part.to(tl.float32), acc)
