@@ -34,6 +34,12 @@ HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 
 
+def barrier() -> None:
+    """Every rank's GPU idle, then every rank at the same point: a call timed after it starts together."""
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def graph_median(fn, replays: int, per_graph: int = 10) -> float:
     """Median microseconds per call of a CUDA graph holding `per_graph` calls of fn(), replayed after a barrier."""
     fn()
@@ -42,40 +48,17 @@ def graph_median(fn, replays: int, per_graph: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(per_graph):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    return statistics.median(times)
+    return median_us(graph.replay, replays, 1, before=barrier) / per_graph
 
 
 def eager_median(fn, iters: int) -> float:
     """Median microseconds of one call after a barrier, CUDA events."""
-    fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return median_us(fn, iters, 1, before=barrier)
 
 
 def host_median(fn, iters: int = 20) -> float:
     """Median CPU microseconds of fn() while the GPU is still busy with earlier work (no call may wait)."""
-    torch.cuda.synchronize()
-    dist.barrier()
+    barrier()
     torch.cuda._sleep(50_000_000)                  # ~25 ms of GPU work ahead of the calls
     times = []
     for _ in range(iters):
@@ -160,8 +143,7 @@ def breakdown(ep, x, ids, weights, expert_out, iters: int) -> dict:
     """Median per-phase microseconds over `iters` eager calls after a barrier (ep built with timing=True)."""
     samples = []
     for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
+        barrier()
         *_, handle = ep.dispatch(x, ids, weights)
         ep.combine(expert_out, handle)
         samples.append(ep.breakdown())

@@ -13,12 +13,15 @@ import triton
 from . import runtime
 
 
-def median_us(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median microseconds of fn(), each call timed alone with CUDA events after `warmup` calls."""
+def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
+    """Median microseconds of fn(), each call timed alone with CUDA events after `warmup` calls;
+    `before()`, if given, runs ahead of each timed call, outside the timing (a barrier, say)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

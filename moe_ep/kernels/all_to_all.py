@@ -150,6 +150,15 @@ def _finish(finished, use, peers, row, offset, world, stamps, TIMING: tl.constex
 
 
 @triton.jit
+def _chunk(chunk, hidden, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """Chunk `chunk` of a row of `hidden` columns: its scale groups [BLOCK_GROUPS], its columns
+    [BLOCK_GROUPS, GROUP] and their mask."""
+    g = chunk * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    return g, cols, cols < hidden
+
+
+@triton.jit
 def _pick(values, index, k):
     """values[k] of a short vector, as a scalar."""
     return tl.sum(tl.where(index == k, values, 0), axis=0)
@@ -197,10 +206,7 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
     quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
     experts; with the first chunk, the token's ids to every rank and its weights to those ranks."""
     kk = tl.arange(0, K_PAD)
-    groups = tl.arange(0, BLOCK_GROUPS)
-    columns = tl.arange(0, GROUP)
-    chunk_cols: tl.constexpr = BLOCK_GROUPS * GROUP
-    chunks = tl.cdiv(hidden, chunk_cols)
+    chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
     for item in range(item0, num_tokens * chunks, items_step):
         t = item // chunks
@@ -215,9 +221,7 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                 if tl.max((dest == r).to(tl.int32), 0) > 0:
                     tl.store(_peer(peers, D_WEIGHTS, r, world, tl.float32) + row * topk + kk, weights,
                              mask=kk < topk)
-        g = chunk * BLOCK_GROUPS + groups
-        cols = g[:, None] * GROUP + columns[None, :]
-        mask = cols < hidden
+        g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
         x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
         if FP8:
             values, scales = fp8_quantize_groups(x.to(tl.float32))
@@ -303,10 +307,7 @@ def dispatch_recv_kernel(
                                      other=0)
                 tl.store(recv_count_ptr + e, total, mask=e < experts_per_rank)
         kk = tl.arange(0, K_PAD)
-        groups = tl.arange(0, BLOCK_GROUPS)
-        columns = tl.arange(0, GROUP)
-        chunk_cols: tl.constexpr = BLOCK_GROUPS * GROUP
-        chunks = tl.cdiv(hidden, chunk_cols)
+        chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
         num_groups = hidden // GROUP
         for item in range(pid, rows_per_expert * chunks, tl.num_programs(0)):
             src_row = item // chunks                       # src * max_tokens + t
@@ -329,9 +330,7 @@ def dispatch_recv_kernel(
                     tl.store(kept_row_ptr + kept, row, mask=kk < topk)
                     tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
                 if tl.max(local.to(tl.int32), 0) > 0:
-                    g = chunk * BLOCK_GROUPS + groups
-                    cols = g[:, None] * GROUP + columns[None, :]
-                    mask = cols < hidden
+                    g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
                     staged = stage.to(tl.int64) * max_tokens + src_row
                     payload = tl.load(data_ptr + staged * hidden + cols, mask=mask)
                     if FP8:
