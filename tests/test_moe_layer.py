@@ -96,7 +96,8 @@ def _refusals(rank, world):
     model = tiny_model("qwen3_moe")
     block = model.model.layers[1].mlp        # scales its output: something the layer cannot know of
     block_class = type(block)
-    block.__class__ = type("ScaledMoeBlock", (block_class,), {"forward": lambda self, x: block_class.forward(self, x) * 1.5})
+    block.__class__ = type("ScaledMoeBlock", (block_class,),
+                           {"forward": lambda self, x: block_class.forward(self, x) * 1.5})
     with pytest.raises(ValueError, match=r"refuses ScaledMoeBlock at model.layers.1.mlp: .* differs from it by 0.3"):
         swap_moe(model, backend="reference", fp8_dispatch=False, max_tokens=64)
     assert not any(isinstance(m, EPMoE) for m in model.modules()), "a refused swap must leave the model unchanged"

@@ -84,7 +84,8 @@ def main():
         assert agree == 1.0
 
     with torch.no_grad():
-        before_us, after_us = per_forward_us(lambda: model(prompts), cuda), per_forward_us(lambda: swapped(prompts), cuda)
+        before_us = per_forward_us(lambda: model(prompts), cuda)
+        after_us = per_forward_us(lambda: swapped(prompts), cuda)
     if rank == 0:
         print(f"one forward of the model over {prompts.numel()} tokens per rank: {before_us:.0f} us before the swap "
               f"(every rank computes every expert), {after_us:.0f} us after ({world} ranks share the experts)")

@@ -171,10 +171,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     else:
         programs = INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
-    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, out, counts, rows, packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, GROUP=group,
-                              GATED=activation is not None, ACTIVATION=activation or "", EVEN_K=k % config["BLOCK_K"] == 0,
-                              A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2,
-                              E_PAD=triton.next_power_of_2(experts), **config)
+    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, out, counts, rows, packed_rows, experts,
+                              K=k, N=n, N_OUT=n_out, FP8=fp8, GROUP=group, GATED=activation is not None,
+                              ACTIVATION=activation or "", A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2,
+                              E_PAD=triton.next_power_of_2(experts), EVEN_K=k % config["BLOCK_K"] == 0, **config)
     return out
 
 
