@@ -50,9 +50,10 @@ INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
-        return x * tl.sigmoid(x)
+        y = x * tl.sigmoid(x)
     else:   # "gelu", the exact (erf) form
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    return y
 
 
 @triton.jit(do_not_specialize=["rows", "packed_rows", "experts"])
@@ -81,8 +82,12 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr, rows, pack
         valid = (m < count) & (start + m < packed_rows)               # packed rows past the buffer: never
         m_in = tl.where(valid, m, 0)                                   # row 0 exists: count > 0 here
         n_in = tl.where(n < N_OUT, n, 0)
-        a_first = start.to(tl.int64) if A_PACKED else expert.to(tl.int64) * rows
-        out_first = start.to(tl.int64) if OUT_PACKED else expert.to(tl.int64) * rows
+        a_first = expert.to(tl.int64) * rows                           # capacity layout
+        if A_PACKED:
+            a_first = start.to(tl.int64)
+        out_first = expert.to(tl.int64) * rows
+        if OUT_PACKED:
+            out_first = start.to(tl.int64)
         a_tile = a_ptr + a_first * K + m_in[:, None] * K               # 64-bit base, 32-bit offsets
         w_tile = w_ptr + expert.to(tl.int64) * N * K + n_in[None, :] * K
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -174,7 +179,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     grouped_gemm_kernel[grid](a, scales if fp8 else a, w, out, counts, rows, packed_rows, experts,
                               K=k, N=n, N_OUT=n_out, FP8=fp8, GROUP=group, GATED=activation is not None,
                               ACTIVATION=activation or "", A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2,
-                              E_PAD=triton.next_power_of_2(experts), EVEN_K=k % config["BLOCK_K"] == 0, **config)
+                              E_PAD=max(2, triton.next_power_of_2(experts)), EVEN_K=k % config["BLOCK_K"] == 0, **config)
     return out
 
 
