@@ -5,7 +5,14 @@
 
 for r < counts[e], every local expert e. w is [E, N, K] (nn.Linear's layout; for the gated form
 the gate rows first, then the up rows, as transformers stores ``gate_up_proj``). a is bf16/fp16/
-fp32, or FP8 e4m3 with per-row, per-`group`-column fp32 scales applied as a tile is loaded.
+fp32, or FP8 e4m3 with per-row, per-`group`-column fp32 scales.
+
+With weights in the dtype of the rows the GEMM runs in that dtype, and FP8 rows are dequantized
+as a tile is loaded. With FP8 weights (``quant.quantize_weights_fp8``: one scale per
+WEIGHT_BLOCK x WEIGHT_BLOCK tile) it runs on FP8 tensor cores: rows that are not FP8 already are
+quantized as they are loaded, per row and BLOCK_K columns with the rows' formula
+(``quant.fp8_quantize_groups``), and every BLOCK_K step adds dot(a_q, w_q) * a_scale * w_scale
+to the fp32 accumulator (the scales of one step are constant along K).
 
 Rows come in one of two layouts, for a and for out independently:
     capacity  [E, R, C]: expert e's rows at [e, 0:counts[e]] (what dispatch delivers, combine reads)
@@ -28,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .quant import cast_rn
+from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
 
 ACTIVATIONS = ("silu", "gelu")
 
@@ -43,6 +50,7 @@ TILE_CONFIGS = {
     "decode": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
     "prefill": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
 }
+WEIGHT_BLOCK = tl.constexpr(128)   # FP8 weights: one scale per 128 x 128 tile (DeepSeek-V3's); BLOCK_K is 128 then
 DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile covers an expert
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
 
@@ -57,13 +65,14 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rows", "packed_rows", "experts"])
-def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr, rows, packed_rows, experts,
-                        K: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, FP8: tl.constexpr,
+def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, rows, packed_rows, experts,
+                        K: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, FP8: tl.constexpr, W_FP8: tl.constexpr,
                         GROUP: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, A_PACKED: tl.constexpr,
                         OUT_PACKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """a: [E * rows, K] or packed [packed_rows, K]; scale: [same rows, K // GROUP] f32 (FP8 a only);
-    w: [E, N, K]; out: [E * rows, N_OUT] or packed [packed_rows, N_OUT]; N_OUT = N / 2 when GATED.
+    w: [E, N, K]; w_scale: [E, N / WEIGHT_BLOCK, K / WEIGHT_BLOCK] f32 (FP8 w only);
+    out: [E * rows, N_OUT] or packed [packed_rows, N_OUT]; N_OUT = N / 2 when GATED.
     Rows and columns past the edges compute from row / column 0 and are masked at the store."""
     e = tl.arange(0, E_PAD)
     counts = tl.minimum(tl.maximum(tl.load(counts_ptr + e, mask=e < experts, other=0), 0), rows)
@@ -101,24 +110,43 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr, rows, pack
                 k = tl.where(k < K, k, 0)
             if FP8:   # BLOCK_K divides GROUP: one scale per row for the whole tile
                 scale = tl.load(scale_ptr + (a_first + m_in) * (K // GROUP) + k0 // GROUP)
-                a = (a.to(tl.float32) * scale[:, None]).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_tile + k[:, None])
-            acc = tl.dot(a, w, acc)
-            if GATED:
-                w = tl.load(w_tile + N_OUT * K + k[:, None])
-                up = tl.dot(a, w, up)
+            if W_FP8:
+                if not FP8:
+                    a, scale = fp8_quantize_groups(a.to(tl.float32))
+                    a = to_fp8(a)
+                w_scales = w_scale_ptr + expert.to(tl.int64) * (N // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK) \
+                    + k0 // WEIGHT_BLOCK
+                w = tl.load(w_tile + k[:, None])
+                w_scale = tl.load(w_scales + (n_in // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
+                acc += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
+                if GATED:
+                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    w_scale = tl.load(w_scales + ((N_OUT + n_in) // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
+                    up += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
+            else:
+                if FP8:
+                    a = (a.to(tl.float32) * scale[:, None]).to(w_ptr.dtype.element_ty)
+                w = tl.load(w_tile + k[:, None])
+                acc = tl.dot(a, w, acc)
+                if GATED:
+                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    up = tl.dot(a, w, up)
         if GATED:
             acc = _activation(acc, ACTIVATION) * up
         tl.store(out_ptr + out_first * N_OUT + m[:, None] * N_OUT + n[None, :],
                  cast_rn(acc, out_ptr.dtype.element_ty), mask=valid[:, None] & (n < N_OUT)[None, :])
 
 
-def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False) -> dict:
-    """The TILE_CONFIGS entry for `rows_per_expert` expected rows; BLOCK_K capped at the FP8 group,
-    BLOCK_N halved for the gated form (two accumulators)."""
+def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False,
+                fp8_weights: bool = False) -> dict:
+    """The TILE_CONFIGS entry for `rows_per_expert` expected rows; BLOCK_N halved for the gated form
+    (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
+    capped at the group of FP8 rows."""
     config = dict(TILE_CONFIGS["decode" if rows_per_expert <= DECODE_ROWS else "prefill"])
     if gated:
         config["BLOCK_N"] //= 2
+    if fp8_weights:
+        config["BLOCK_K"] = WEIGHT_BLOCK.value
     if fp8_group:
         config["BLOCK_K"] = min(config["BLOCK_K"], fp8_group)
     return config
@@ -126,9 +154,11 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: boo
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                  group: int = 128, out: torch.Tensor | None = None, activation: str | None = None,
-                 packed_rows: int | None = None, rows_per_expert: float | None = None) -> torch.Tensor:
+                 packed_rows: int | None = None, rows_per_expert: float | None = None,
+                 w_scales: torch.Tensor | None = None) -> torch.Tensor:
     """a [E, R, K] or packed [P, K]; w [E, N, K]; counts [E] int32 on a's device; scales like a with
     K // group columns, f32, for FP8 a. activation None, "silu" or "gelu" (gated: N_out = N / 2).
+    FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
 
     out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
     packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
@@ -152,11 +182,18 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     fp8 = a.dtype == torch.float8_e4m3fn
     if fp8 and (k % group or scales is None or scales.shape != (*a.shape[:-1], k // group)):
         raise ValueError(f"FP8 input needs K a multiple of group and scales {(*a.shape[:-1], k // group)}")
+    fp8_weights = w.dtype == torch.float8_e4m3fn
+    block = WEIGHT_BLOCK.value
+    if fp8_weights and (n % block or k % block or w_scales is None
+                        or w_scales.shape != (experts, n // block, k // block)):
+        raise ValueError(f"FP8 weights need N and K multiples of {block} and w_scales "
+                         f"{(experts, n // block, k // block)}")
+    out_dtype = torch.bfloat16 if fp8_weights else w.dtype
     if out is None:
         if packed_rows is not None:
-            out = torch.empty((packed_rows, n_out), dtype=w.dtype, device=a.device)
+            out = torch.empty((packed_rows, n_out), dtype=out_dtype, device=a.device)
         else:
-            out = torch.empty((*a.shape[:-1], n_out), dtype=w.dtype, device=a.device)
+            out = torch.empty((*a.shape[:-1], n_out), dtype=out_dtype, device=a.device)
     if out.shape[-1] != n_out or out.dim() not in (2, 3) or (out.dim() == 3 and out.shape[0] != experts):
         raise ValueError(f"out must be [{experts}, R, {n_out}] or packed [P, {n_out}], got {tuple(out.shape)}")
     capacity = [t.shape[1] for t in (a, out) if t.dim() == 3]
@@ -168,7 +205,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     rows = capacity[0] if capacity else packed[0]       # the most rows any one expert can have
     packed_rows = packed[0] if packed else 2**31 - 1
     config = tile_config(rows if rows_per_expert is None else rows_per_expert, group if fp8 else None,
-                         gated=activation is not None)
+                         gated=activation is not None, fp8_weights=fp8_weights)
     programs_per_sm = config.pop("programs_per_sm")
     tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n_out, config["BLOCK_N"])
     if a.is_cuda:
@@ -176,26 +213,36 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     else:
         programs = INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
-    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, out, counts, rows, packed_rows, experts,
-                              K=k, N=n, N_OUT=n_out, FP8=fp8, GROUP=group, GATED=activation is not None,
+    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows,
+                              packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group, GATED=activation is not None,
                               ACTIVATION=activation or "", A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2,
                               E_PAD=max(2, triton.next_power_of_2(experts)), EVEN_K=k % config["BLOCK_K"] == 0, **config)
     return out
 
 
 def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
-                           group: int = 128, activation=None) -> torch.Tensor:
-    """What grouped_gemm computes, in plain torch, capacity layout in and out: the GEMMs in fp32
-    (moe_ep.reference.grouped_gemm), and for a gated form act(gate) * up of the fp32 results, cast
-    once to w's dtype. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
+                           group: int = 128, activation=None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """What grouped_gemm computes, in plain torch, capacity layout in and out: each expert's counted
+    rows (dequantized if FP8) times its weights (dequantized if FP8) in fp32, for a gated form
+    act(gate) * up of the fp32 results, cast once to the output dtype (w's, bf16 for FP8 weights).
+    With FP8 weights, rows that are not FP8 are first quantized per WEIGHT_BLOCK columns, as the
+    kernel does on load. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
     Rows past the counts are zero."""
-    if activation is None:
-        return reference.grouped_gemm(a, w, counts, scales, group)
+    out_dtype = w.dtype
+    if w_scales is not None:
+        out_dtype, w = torch.bfloat16, dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
+        if scales is None:
+            q, scales = reference.quantize_fp8(a.reshape(-1, a.shape[-1]), WEIGHT_BLOCK.value)
+            a, scales, group = q.view(a.shape), scales.view(*a.shape[:-1], -1), WEIGHT_BLOCK.value
     act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}.get(activation, activation)
-    out = torch.zeros((*a.shape[:2], w.shape[1] // 2), dtype=w.dtype, device=a.device)
+    n_out = w.shape[1] // 2 if activation is not None else w.shape[1]
+    out = torch.zeros((*a.shape[:2], n_out), dtype=out_dtype, device=a.device)
     for e, count in enumerate(counts.tolist()):
         rows = a[e, :count]
         rows = reference.dequantize_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
-        gate, up = (rows @ w[e].float().t()).chunk(2, dim=-1)
-        out[e, :count] = (act(gate) * up).to(w.dtype)
+        y = rows @ w[e].float().t()
+        if activation is not None:
+            gate, up = y.chunk(2, dim=-1)
+            y = act(gate) * up
+        out[e, :count] = y.to(out_dtype)
     return out
