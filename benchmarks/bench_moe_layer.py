@@ -5,13 +5,14 @@
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16)
 at 128 and 2048 tokens per rank, split into dispatch / experts / combine, eager and replayed from
 a CUDA graph: the NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens
-(the cost of capacity that is not used), FP8 and bf16 dispatch; the reference backend (NCCL);
-and the transformers block itself, all 128 experts on one GPU.
+(the cost of capacity that is not used), FP8 and bf16 dispatch, FP8 experts; the reference
+backend (NCCL); and the transformers block itself, all 128 experts on one GPU.
 
 Grouped GEMM alone (the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
 rows per expert): ours masked by counts on the device (plain, gated with act(gate) * up fused, FP8
-rows), torch._grouped_mm, torch._scaled_grouped_mm where this torch has it (FP8 rows and weights,
-row-wise scales), and a per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
+rows into bf16 dots, FP8 rows and 128x128-block FP8 weights on FP8 dots), torch._grouped_mm,
+torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise scales), and a
+per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
 bytes the GEMM must move (rows in, each used expert's weights once, rows out).
 
 Medians of CUDA-event times. Writes moe_layer.json; a baseline that fails is recorded with its error.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from moe_ep import EPMoE, quantize_fp8, random_topk, runtime
 from moe_ep.kernels.grouped_gemm import grouped_gemm
+from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
@@ -45,11 +47,11 @@ def attempt(fn) -> dict:
 
 # ---------------------------------------------------------------------------------------------- layer
 
-def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, iters: int) -> dict:
+def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_experts: bool, iters: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     s = QWEN3
     layer = EPMoE(s["hidden"], s["intermediate"], s["experts"], s["topk"], max_tokens=max_tokens, backend=backend,
-                  fp8_dispatch=fp8, device="cuda")
+                  fp8_dispatch=fp8, fp8_experts=fp8_experts, device="cuda")
     torch.nn.init.normal_(layer.gate_up_proj, std=s["hidden"] ** -0.5)
     torch.nn.init.normal_(layer.down_proj, std=s["intermediate"] ** -0.5)
     g = torch.Generator().manual_seed(rank)
@@ -95,10 +97,13 @@ def transformers_block_times(tokens: int, iters: int) -> dict:
 def layer_rows(iters: int) -> list[dict]:
     rows = []
     for tokens in LAYER_TOKENS:
-        for backend, max_tokens, fp8 in (("nvshmem", tokens, True), ("nvshmem", tokens, False),
-                                         ("nvshmem", DEFAULT_MAX_TOKENS, True), ("reference", tokens, True)):
-            row = {"tokens": tokens, "backend": backend, "max_tokens": max_tokens, "fp8_dispatch": fp8}
-            rows.append({**row, **attempt(lambda: layer_times(tokens, backend, max_tokens, fp8, iters))})
+        for backend, max_tokens, fp8, fp8_experts in (
+                ("nvshmem", tokens, True, False), ("nvshmem", tokens, False, False),
+                ("nvshmem", DEFAULT_MAX_TOKENS, True, False), ("nvshmem", tokens, True, True),
+                ("reference", tokens, True, False)):
+            row = {"tokens": tokens, "backend": backend, "max_tokens": max_tokens, "fp8_dispatch": fp8,
+                   "fp8_experts": fp8_experts}
+            rows.append({**row, **attempt(lambda: layer_times(tokens, backend, max_tokens, fp8, fp8_experts, iters))})
         rows.append({"tokens": tokens, "backend": "transformers block, all experts on one GPU",
                      **attempt(lambda: transformers_block_times(tokens, iters))})
     return rows
@@ -118,6 +123,7 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     packed = a[:, :rows].reshape(-1, k).contiguous()
     q, q_scales = quantize_fp8(a.view(-1, k))
     q, q_scales = q.view(local, capacity, k), q_scales.view(local, capacity, k // 128)
+    w_q, w_scales = quantize_weights_fp8(w)
     flops = 2 * local * rows * n * k
 
     def entry(kernel: str, fn, in_bytes: float, w_bytes: float, out_cols: int = n) -> dict:
@@ -134,6 +140,8 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
               2, 2, n // 2),
         entry("ours, FP8 rows", lambda: grouped_gemm(q, w, counts, q_scales, 128, rows_per_expert=rows),
               1 + 4 / 128, 2),
+        entry("ours, FP8 rows and weights", lambda: grouped_gemm(q, w_q, counts, q_scales, 128, rows_per_expert=rows,
+                                                                  w_scales=w_scales), 1 + 4 / 128, 1),
         entry("torch._grouped_mm", lambda: torch._grouped_mm(packed, w.transpose(1, 2), offs=offsets), 2, 2),
         entry("per-expert torch loop", lambda: [packed[e * rows:(e + 1) * rows] @ w[e].t() for e in range(local)],
               2, 2),
@@ -177,8 +185,9 @@ def main():
         print(markdown_table(results["grouped_gemm"], ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs",
                                                        "error"]))
         print()
-        print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "dispatch_us",
-                                                "experts_us", "combine_us", "forward_us", "graph_us", "error"]))
+        print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts",
+                                                "dispatch_us", "experts_us", "combine_us", "forward_us", "graph_us",
+                                                "error"]))
     runtime.finalize()
     dist.destroy_process_group()
 

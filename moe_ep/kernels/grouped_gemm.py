@@ -214,23 +214,25 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
         programs = INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
     grouped_gemm_kernel[grid](a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows,
-                              packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group, GATED=activation is not None,
-                              ACTIVATION=activation or "", A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2,
-                              E_PAD=max(2, triton.next_power_of_2(experts)), EVEN_K=k % config["BLOCK_K"] == 0, **config)
+                              packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group,
+                              GATED=activation is not None, ACTIVATION=activation or "", A_PACKED=a.dim() == 2,
+                              OUT_PACKED=out.dim() == 2, E_PAD=max(2, triton.next_power_of_2(experts)),
+                              EVEN_K=k % config["BLOCK_K"] == 0, **config)
     return out
 
 
 def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
-                           group: int = 128, activation=None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           group: int = 128, activation=None, w_scales: torch.Tensor | None = None,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """What grouped_gemm computes, in plain torch, capacity layout in and out: each expert's counted
     rows (dequantized if FP8) times its weights (dequantized if FP8) in fp32, for a gated form
-    act(gate) * up of the fp32 results, cast once to the output dtype (w's, bf16 for FP8 weights).
+    act(gate) * up of the fp32 results, cast once to out_dtype (default: w's, bf16 for FP8 weights).
     With FP8 weights, rows that are not FP8 are first quantized per WEIGHT_BLOCK columns, as the
     kernel does on load. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
     Rows past the counts are zero."""
-    out_dtype = w.dtype
+    out_dtype = out_dtype or (torch.bfloat16 if w_scales is not None else w.dtype)
     if w_scales is not None:
-        out_dtype, w = torch.bfloat16, dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
+        w = dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
         if scales is None:
             q, scales = reference.quantize_fp8(a.reshape(-1, a.shape[-1]), WEIGHT_BLOCK.value)
             a, scales, group = q.view(a.shape), scales.view(*a.shape[:-1], -1), WEIGHT_BLOCK.value

@@ -24,7 +24,8 @@ from torch import nn
 
 from .. import reference
 from ..ep import EPAllToAll
-from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from ..kernels.grouped_gemm import WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
+from ..kernels.quant import quantize_weights_fp8
 
 ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
 PROBE_TOKENS = 32        # per rank: with top-k routing they reach most experts of a small model, and cost little
@@ -50,12 +51,18 @@ class EPMoE(nn.Module):
         routed_scaling_factor: the experts' weighted sum is multiplied by it (applied to the weights).
         max_tokens: most tokens one forward may carry per rank.
         fp8_dispatch, fp8_group, backend: passed to EPAllToAll (backend "nvshmem" or "reference").
+        fp8_experts: run the experts on FP8 tensor cores: this rank's weights are quantized once, at
+            the first forward (128 x 128 blocks, ``quantize_weights_fp8``; call ``quantize_experts()``
+            again after changing them), FP8 rows from dispatch are used as they come, the
+            intermediate is quantized per 128 columns as the second GEMM loads it. H and I must be
+            multiples of 128.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, group=None,
                  activation="silu", router: nn.Module | None = None, shared_experts: nn.Module | None = None,
                  routed_scaling_factor: float = 1.0,
                  max_tokens: int = 4096, fp8_dispatch: bool = True, fp8_group: int = 128, backend: str = "nvshmem",
+                 fp8_experts: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         world = dist.get_world_size(group)
@@ -71,7 +78,11 @@ class EPMoE(nn.Module):
             raise ValueError(f"num_experts={num_experts} is not a multiple of the world size {world}")
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
         self.group, self.max_tokens, self.backend = group, max_tokens, backend
-        self.fp8_dispatch, self.fp8_group = fp8_dispatch, fp8_group
+        if fp8_experts and (hidden % WEIGHT_BLOCK.value or intermediate % WEIGHT_BLOCK.value):
+            raise ValueError(f"fp8_experts needs hidden and intermediate multiples of {WEIGHT_BLOCK.value}, "
+                             f"got {hidden} and {intermediate}")
+        self.fp8_dispatch, self.fp8_group, self.fp8_experts = fp8_dispatch, fp8_group, fp8_experts
+        self._fp8_weights: tuple | None = None     # (gate_up, its scales, down, its scales) once quantized
         self.experts_per_rank = num_experts // world
         self.first_expert = dist.get_rank(group) * self.experts_per_rank
         self.activation = ACTIVATIONS[activation] if isinstance(activation, str) else activation
@@ -129,45 +140,65 @@ class EPMoE(nn.Module):
         tokens = x.reshape(-1, self.hidden).contiguous()
         return self._forward(tokens, topk_ids, topk_weights, self._ep()).reshape(x.shape)
 
-    def _forward(self, tokens, topk_ids, topk_weights, ep: EPAllToAll) -> torch.Tensor:
+    def _forward(self, tokens, topk_ids, topk_weights, ep: EPAllToAll, fp8_experts: bool | None = None):
         if topk_ids is None:
             _, topk_weights, topk_ids = self.router(tokens)
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
         recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids.contiguous(), topk_weights.contiguous())
         rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
-        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert), handle)
+        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return y
 
-    def run_experts(self, recv_x, recv_scales, recv_count, rows_per_expert: float | None = None) -> torch.Tensor:
+    def run_experts(self, recv_x, recv_scales, recv_count, rows_per_expert: float | None = None,
+                    fp8_experts: bool | None = None) -> torch.Tensor:
         """The local gated MLPs on dispatch's layout: recv_x [E_loc, R, H] (FP8 with recv_scales
         [E_loc, R, H / fp8_group], or the weights' dtype), recv_count [E_loc] int32 -> [E_loc, R, H].
 
         Only rows below the counts are read or written (rows past them hold garbage combine never
         reads); the intermediate act(gate) * up is packed: [R * min(K, E_loc), I], the most rows
-        dispatch can deliver. rows_per_expert (expected) picks the GEMM tile shapes.
+        dispatch can deliver. rows_per_expert (expected) picks the GEMM tile shapes; fp8_experts
+        (default: the layer's) picks the FP8 weights.
         """
-        if recv_x.is_cuda:
-            return self._run_experts_on_kernels(recv_x, recv_scales, recv_count, rows_per_expert)
-        h = grouped_gemm_reference(recv_x, self.gate_up_proj, recv_count, recv_scales, self.fp8_group,
-                                   self._fused_activation or self.activation)
-        return reference.grouped_gemm(h, self.down_proj, recv_count)
-
-    def _run_experts_on_kernels(self, recv_x, recv_scales, recv_count, rows_per_expert):
-        experts, rows, _ = recv_x.shape
-        packed_rows = rows * min(self.topk, experts)
-        gemm = dict(counts=recv_count, rows_per_expert=rows_per_expert)
-        if self._fused_activation:
-            h = grouped_gemm(recv_x, self.gate_up_proj, scales=recv_scales, group=self.fp8_group,
-                             activation=self._fused_activation, packed_rows=packed_rows, **gemm)
+        fp8 = self.fp8_experts if fp8_experts is None else fp8_experts
+        if fp8:
+            gate_up, gate_up_scales, down, down_scales = self._fp8_weights or self.quantize_experts()
         else:
-            gate, up = grouped_gemm(recv_x, self.gate_up_proj, scales=recv_scales, group=self.fp8_group,
-                                    packed_rows=packed_rows, **gemm).chunk(2, dim=-1)
+            gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
+        if recv_x.is_cuda:
+            return self._run_experts_on_kernels(recv_x, recv_scales, recv_count, rows_per_expert,
+                                                gate_up, gate_up_scales, down, down_scales)
+        dtype = self.gate_up_proj.dtype
+        h = grouped_gemm_reference(recv_x, gate_up, recv_count, recv_scales, self.fp8_group,
+                                   self._fused_activation or self.activation, gate_up_scales, dtype)
+        return grouped_gemm_reference(h, down, recv_count, w_scales=down_scales, out_dtype=dtype)
+
+    def _run_experts_on_kernels(self, recv_x, recv_scales, recv_count, rows_per_expert, gate_up, gate_up_scales,
+                                down, down_scales):
+        experts, rows, _ = recv_x.shape
+        dtype = self.gate_up_proj.dtype
+        gemm = dict(counts=recv_count, rows_per_expert=rows_per_expert)
+        first = dict(scales=recv_scales, group=self.fp8_group, w_scales=gate_up_scales, **gemm)
+        packed_rows = rows * min(self.topk, experts)
+        if self._fused_activation:
+            h = torch.empty((packed_rows, self.intermediate), dtype=dtype, device=recv_x.device)
+            grouped_gemm(recv_x, gate_up, out=h, activation=self._fused_activation, **first)
+        else:
+            gate_up_rows = torch.empty((packed_rows, 2 * self.intermediate), dtype=dtype, device=recv_x.device)
+            gate, up = grouped_gemm(recv_x, gate_up, out=gate_up_rows, **first).chunk(2, dim=-1)
             h = self.activation(gate) * up
-        out = torch.empty((experts, rows, self.hidden), dtype=self.down_proj.dtype, device=recv_x.device)
-        return grouped_gemm(h, self.down_proj, out=out, **gemm)
+        out = torch.empty((experts, rows, self.hidden), dtype=dtype, device=recv_x.device)
+        return grouped_gemm(h, down, out=out, w_scales=down_scales, **gemm)
+
+    def quantize_experts(self) -> tuple:
+        """Quantize this rank's expert weights to FP8 (128 x 128 blocks) for fp8_experts; returns and
+        keeps (gate_up [E_loc, 2I, H] fp8, its scales, down [E_loc, H, I] fp8, its scales)."""
+        with torch.no_grad():
+            self._fp8_weights = (*quantize_weights_fp8(self.gate_up_proj.detach(), WEIGHT_BLOCK.value),
+                                 *quantize_weights_fp8(self.down_proj.detach(), WEIGHT_BLOCK.value))
+        return self._fp8_weights
 
     def _ep(self) -> EPAllToAll:
         if self._all_to_all is None:
@@ -244,7 +275,7 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
             raise ValueError(f"swap_moe cannot verify {what}: its forward failed on probe tokens "
                              f"[1, {PROBE_TOKENS}, {layer.hidden}]: {error}") from error
         try:
-            got = layer._forward(probe, None, None, ep).float()
+            got = layer._forward(probe, None, None, ep, fp8_experts=False).float()
         except Exception as error:
             raise ValueError(f"unsupported MoE block {what}: the EPMoE built from it failed on probe tokens "
                              f"(its router must map tokens [T, H] to (logits, weights [T, K], ids [T, K])): "
