@@ -9,7 +9,8 @@ Each rank holds only its experts (rank r: experts [r*E/W, (r+1)*E/W)) as gated M
 transformers uses: gate_up_proj [E_loc, 2*I, H] (gate rows first, then up), down_proj [E_loc, H, I].
 The experts run as two masked grouped GEMMs over dispatch's expert-major rows, whose work follows
 the received counts: the first applies act(gate) * up in its epilogue and writes packed rows, the
-second writes the capacity layout combine reads (FP8 rows are dequantized as the GEMM loads them).
+second writes the capacity layout combine reads. FP8 rows are dequantized as the GEMM loads them,
+or, with fp8_experts=True, multiplied as they are by FP8 weights on FP8 tensor cores.
 
 swap_moe checks every new layer against the block it replaces before it swaps anything (every
 rank still holds the whole block then): on PROBE_TOKENS random tokens per rank, the relative
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import reference
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
 from ..kernels.quant import quantize_weights_fp8
@@ -267,19 +267,19 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
     probe = torch.randn(PROBE_TOKENS, layer.hidden, generator=generator).to(device, dtype)
     ep = EPAllToAll(PROBE_TOKENS, layer.hidden, layer.num_experts, layer.topk, group=layer.group, dtype=dtype,
                     fp8_dispatch=False, backend="reference")
-    with torch.no_grad():
-        try:
-            expected = block(probe[None])
-            expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(probe.shape).float()
-        except Exception as error:
-            raise ValueError(f"swap_moe cannot verify {what}: its forward failed on probe tokens "
-                             f"[1, {PROBE_TOKENS}, {layer.hidden}]: {error}") from error
-        try:
-            got = layer._forward(probe, None, None, ep, fp8_experts=False).float()
-        except Exception as error:
-            raise ValueError(f"unsupported MoE block {what}: the EPMoE built from it failed on probe tokens "
-                             f"(its router must map tokens [T, H] to (logits, weights [T, K], ids [T, K])): "
-                             f"{error}") from error
+    training = block.training
+    block.eval()                    # no router jitter or dropout: the block as it runs in inference
+    try:
+        with torch.no_grad():
+            expected = _block_output(block, probe, what)
+            try:
+                got = layer._forward(probe, None, None, ep, fp8_experts=False).float()
+            except Exception as error:
+                raise ValueError(f"unsupported MoE block {what}: the EPMoE built from it failed on probe tokens "
+                                 f"(its router must map tokens [T, H] to (logits, weights [T, K], ids [T, K])): "
+                                 f"{error}") from error
+    finally:
+        block.train(training)
     scale = torch.maximum(expected.norm(), got.norm()).clamp_min(torch.finfo(torch.float32).tiny)
     error = ((got - expected).norm() / scale).reshape(1).to(ep.device)
     dist.all_reduce(error, op=dist.ReduceOp.MAX, group=layer.group)
@@ -288,6 +288,16 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
         raise ValueError(f"swap_moe refuses {what}: the EPMoE differs from it by {error:.3g} (relative L2 error "
                          f"on {PROBE_TOKENS} probe tokens per rank; {dtype} rounding allows {tolerance:.3g})")
     return error
+
+
+def _block_output(block: nn.Module, probe: torch.Tensor, what: str) -> torch.Tensor:
+    """block(probe [P, H] as [1, P, H]) -> float32 [P, H] (the first output of blocks that return a tuple)."""
+    try:
+        y = block(probe[None])
+    except Exception as error:
+        raise ValueError(f"swap_moe cannot verify {what}: its forward failed on probe tokens "
+                         f"[1, {probe.shape[0]}, {probe.shape[1]}]: {error}") from error
+    return (y[0] if isinstance(y, tuple) else y).reshape(probe.shape).float()
 
 
 def _kernel_activation(activation) -> str | None:
