@@ -15,6 +15,9 @@ torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise
 per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
 bytes the GEMM must move (rows in, each used expert's weights once, rows out).
 
+With --tune, only the gated grouped GEMM of every case, once per tile shape of TUNE_CANDIDATES,
+to fill grouped_gemm.TILE_CONFIGS with measured choices (writes moe_tuning.json).
+
 Medians of CUDA-event times. Writes moe_layer.json; a baseline that fails is recorded with its error.
 """
 import inspect
@@ -35,6 +38,10 @@ LAYER_TOKENS = (128, 2048)
 GEMM_CASES = [("deepseek_v3", DEEPSEEK, 8), ("deepseek_v3", DEEPSEEK, 256),
               ("qwen3_30b_a3b", QWEN3, 32), ("qwen3_30b_a3b", QWEN3, 512)]
 DEFAULT_MAX_TOKENS = inspect.signature(EPMoE).parameters["max_tokens"].default
+# (BLOCK_M, BLOCK_N per accumulator, BLOCK_K, num_warps, num_stages, programs_per_sm): the shapes
+# Hopper's wgmma runs well, within the shared memory and registers one or two programs an SM have.
+TUNE_CANDIDATES = [(64, 32, 128, 4, 3, 2), (64, 64, 128, 4, 3, 2), (64, 64, 64, 4, 4, 2), (64, 128, 64, 4, 3, 1),
+                   (128, 64, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (128, 64, 128, 8, 3, 1), (64, 128, 128, 8, 3, 1)]
 
 
 def attempt(fn) -> dict:
@@ -66,6 +73,11 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
             out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
             times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3)
             times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
+            if fp8_experts:           # what FP8 weights cost: relative error of the counted rows against bf16 experts
+                exact = layer.run_experts(recv_x, recv_scales, recv_count, hint, fp8_experts=False)
+                counted = torch.arange(exact.shape[1], device="cuda")[None, :] < recv_count[:, None]
+                times["fp8_experts_rel_error"] = ((out - exact)[counted].float().norm()
+                                                  / exact[counted].float().norm()).item()
             times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
             if backend == "nvshmem":
                 graph = torch.cuda.CUDAGraph()
@@ -160,6 +172,25 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     return results
 
 
+def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
+    """The gated gate_up GEMM (what the layer runs first) once per candidate tile shape."""
+    local = shape["experts"] // dist.get_world_size()
+    k, n = shape["hidden"], 2 * shape["intermediate"]
+    counts = torch.full((local,), rows, dtype=torch.int32, device="cuda")
+    a = torch.randn(local, rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(local, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    h = torch.empty(local * rows, n // 2, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for m_, n_, k_, warps, stages, per_sm in TUNE_CANDIDATES:
+        tiles = dict(BLOCK_M=m_, BLOCK_N=n_, BLOCK_K=k_, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+
+        def timed():
+            us = median_us(lambda: grouped_gemm(a, w, counts, out=h, activation="silu", tiles=tiles), iters, 3)
+            return {"us": us, "TFLOPs": 2 * local * rows * n * k / us / 1e6}
+        results.append({"shape": name, "rows_per_expert": rows, "tiles": str(tiles), **attempt(timed)})
+    return results
+
+
 def _rowwise_fp8(x: torch.Tensor):
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take)."""
     scale = x.float().abs().amax(-1).clamp(min=1e-4) / 448.0
@@ -167,8 +198,19 @@ def _rowwise_fp8(x: torch.Tensor):
 
 
 def main():
-    args = benchmark_args(__doc__, iters=20)
+    args = benchmark_args(__doc__, iters=20, tune="time the gated grouped GEMM per candidate tile shape, only")
     rank = dist.get_rank()
+    if args.tune:
+        tuning = {**environment(), "rows": []}
+        for name, shape, rows in GEMM_CASES:
+            tuning["rows"] += tuning_rows(name, shape, rows, args.iters)
+        if rank == 0:
+            with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
+                json.dump(tuning, f, indent=1)
+            print(markdown_table(tuning["rows"], ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]))
+        runtime.finalize()
+        dist.destroy_process_group()
+        return
     results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
 
     def save():
@@ -187,7 +229,7 @@ def main():
         print()
         print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts",
                                                 "dispatch_us", "experts_us", "combine_us", "forward_us", "graph_us",
-                                                "error"]))
+                                                "fp8_experts_rel_error", "error"]))
     runtime.finalize()
     dist.destroy_process_group()
 

@@ -72,6 +72,14 @@ def test_gated_packed_out_then_packed_in(activation, rows_per_expert):
     _check_capacity(out, grouped_gemm_reference(expected_h, down, counts), counts, 1e-5)
 
 
+def test_tiles_override():
+    a, w, counts = _inputs(2, 40, 64, 48, [40, 17], torch.float32)
+    tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, programs_per_sm=1)
+    out = torch.full((2, 40, 48), FILL, device=DEVICE)
+    grouped_gemm(a, w, counts, out=out, tiles=tiles)
+    _check_capacity(out, grouped_gemm_reference(a, w, counts), counts, _tolerance(torch.float32))
+
+
 def test_packed_rows_argument_allocates_packed_out():
     a, w, counts = _inputs(2, 6, 32, 16, [2, 3], torch.float32)
     h = grouped_gemm(a, w, counts, activation="silu", packed_rows=5)
@@ -110,6 +118,10 @@ def test_bad_shapes_raise():
         grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, activation="relu")
     with pytest.raises(ValueError, match="even"):
         grouped_gemm(a, torch.zeros(2, 7, 64, device=DEVICE), counts, activation="silu")
+    with pytest.raises(ValueError, match="BLOCK_K=64 must divide"):
+        grouped_gemm(a.to(torch.float8_e4m3fn), torch.zeros(2, 8, 64, device=DEVICE), counts,
+                     torch.ones(2, 4, 2, device=DEVICE), 32, tiles=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
+                                                                        num_warps=4, num_stages=2, programs_per_sm=1))
     with pytest.raises(ValueError, match="out must be"):
         grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, out=torch.zeros(2, 4, 4, device=DEVICE))
 

@@ -155,10 +155,12 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: boo
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                  group: int = 128, out: torch.Tensor | None = None, activation: str | None = None,
                  packed_rows: int | None = None, rows_per_expert: float | None = None,
-                 w_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 w_scales: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """a [E, R, K] or packed [P, K]; w [E, N, K]; counts [E] int32 on a's device; scales like a with
     K // group columns, f32, for FP8 a. activation None, "silu" or "gelu" (gated: N_out = N / 2).
     FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
+    tiles: an entry like TILE_CONFIGS' to use as it is instead of the table's (for tuning; BLOCK_N
+    counts output columns, BLOCK_K must divide the FP8 groups).
 
     out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
     packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
@@ -204,8 +206,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
         raise ValueError("a, w and out must be contiguous")
     rows = capacity[0] if capacity else packed[0]       # the most rows any one expert can have
     packed_rows = packed[0] if packed else 2**31 - 1
-    config = tile_config(rows if rows_per_expert is None else rows_per_expert, group if fp8 else None,
-                         gated=activation is not None, fp8_weights=fp8_weights)
+    config = dict(tiles) if tiles is not None else tile_config(
+        rows if rows_per_expert is None else rows_per_expert, group if fp8 else None, gated=activation is not None,
+        fp8_weights=fp8_weights)
+    if (fp8 and group % config["BLOCK_K"]) or (fp8_weights and WEIGHT_BLOCK.value % config["BLOCK_K"]):
+        raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the FP8 groups")
     programs_per_sm = config.pop("programs_per_sm")
     tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n_out, config["BLOCK_N"])
     if a.is_cuda:
