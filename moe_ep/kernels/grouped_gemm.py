@@ -145,8 +145,8 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: boo
     config = dict(TILE_CONFIGS["decode" if rows_per_expert <= DECODE_ROWS else "prefill"])
     if gated:
         config["BLOCK_N"] //= 2
-    if fp8_weights:
-        config["BLOCK_K"] = WEIGHT_BLOCK.value
+    if fp8_weights:         # 128-column steps of bf16 rows and FP8 weights: 48 KB a stage, so at most 3
+        config["BLOCK_K"], config["num_stages"] = WEIGHT_BLOCK.value, min(config["num_stages"], 3)
     if fp8_group:
         config["BLOCK_K"] = min(config["BLOCK_K"], fp8_group)
     return config
@@ -235,6 +235,8 @@ def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tenso
     With FP8 weights, rows that are not FP8 are first quantized per WEIGHT_BLOCK columns, as the
     kernel does on load. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
     Rows past the counts are zero."""
+    if activation is None and w_scales is None:
+        return reference.grouped_gemm(a, w, counts, scales, group).to(out_dtype or w.dtype)
     out_dtype = out_dtype or (torch.bfloat16 if w_scales is not None else w.dtype)
     if w_scales is not None:
         w = dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
