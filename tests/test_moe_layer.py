@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, num_experts_per_tok=2)
-SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "beam")
+SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "beam", "hunyuan_v1_moe")
 
 
 def tiny_model(kind: str, seed: int = 0) -> nn.Module:
@@ -32,7 +32,8 @@ def tiny_model(kind: str, seed: int = 0) -> nn.Module:
     mixtral, qwen3_moe: softmax top-k routers. qwen2_moe: a shared expert behind a sigmoid gate.
     deepseek_v3: grouped sigmoid routing with a score-correction bias, shared experts, the routed
     scaling factor applied by the router. beam: the same routing, the routed scaling factor applied
-    by the block. gpt_oss, llama4: expert layouts swap_moe refuses.
+    by the block. hunyuan_v1_moe: a shared MLP at .shared_mlp. gpt_oss, llama4: expert layouts
+    swap_moe refuses.
     """
     torch.manual_seed(seed)
     t = transformers
@@ -55,6 +56,9 @@ def tiny_model(kind: str, seed: int = 0) -> nn.Module:
         model = t.BeamForCausalLM(t.BeamConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8, n_group=2,
                                                topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                                                mlp_layer_types=["sparse", "sparse"], **COMMON))
+    elif kind == "hunyuan_v1_moe":
+        model = t.HunYuanMoEV1ForCausalLM(t.HunYuanMoEV1Config(intermediate_size=32, num_experts=8,
+                                                               head_dim=16, **COMMON))
     elif kind == "gpt_oss":
         model = t.GptOssForCausalLM(t.GptOssConfig(intermediate_size=32, num_local_experts=8, head_dim=16, **COMMON))
     else:

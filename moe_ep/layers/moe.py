@@ -225,7 +225,7 @@ def _shared_experts(block: nn.Module) -> nn.Module | None:
     if getattr(block, "shared_expert", None) is not None:              # Qwen2-MoE-style
         gate = getattr(block, "shared_expert_gate", None)
         return block.shared_expert if gate is None else _GatedSharedExpert(block.shared_expert, gate)
-    return None
+    return getattr(block, "shared_mlp", None)                          # HunYuan-MoE-style
 
 
 def swap_moe(model: nn.Module, group=None, verify: bool = True, **options) -> nn.Module:
