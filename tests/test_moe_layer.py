@@ -7,7 +7,7 @@ before any forward.
 
 GPU: the NVSHMEM backend against the reference backend, bit for bit, on the same bf16 model; and
 the accuracy of the swapped bf16 model measured against the fp32 model, relative to the error
-the unswapped bf16 model itself makes there.
+the unswapped bf16 model itself makes there (median token error: see _relative_error).
 """
 import copy
 
@@ -176,7 +176,12 @@ def test_experts_on_kernels_match_torch():
 
 
 def _relative_error(logits, exact):
-    return ((logits.float() - exact).norm() / exact.norm()).item()
+    """Median over tokens of |logits - exact| / |exact| per token. A token whose router sits near a tie
+    picks another expert after any rounding and takes an O(1) error, whichever model rounds: a few
+    such tokens decide a norm over all tokens, and which tokens flip differs from model to model.
+    The median measures the rounding itself."""
+    per_token = (logits.float() - exact).norm(dim=-1) / exact.norm(dim=-1)
+    return per_token.median().item()
 
 
 def _fp8_rounded_expert_inputs(model, group):
@@ -199,12 +204,12 @@ def _gpu_models(rank, world, kind):
         exact = exact_model(tokens).logits
         bf16_error = _relative_error(model(tokens).logits, exact)
         fp8_error = _relative_error(_fp8_rounded_expert_inputs(exact_model, group)(tokens).logits, exact)
-        logits = {}
+        logits, swapped = {}, {}
         for backend in ("nvshmem", "reference"):
             for fp8 in (False, True):
-                swapped = swap_moe(copy.deepcopy(model), backend=backend, fp8_dispatch=fp8, fp8_group=group,
-                                   max_tokens=64)
-                logits[backend, fp8] = swapped(tokens).logits
+                swapped[backend, fp8] = swap_moe(copy.deepcopy(model), backend=backend, fp8_dispatch=fp8,
+                                                 fp8_group=group, max_tokens=64)
+                logits[backend, fp8] = swapped[backend, fp8](tokens).logits
         for fp8 in (False, True):
             assert torch.equal(logits["nvshmem", fp8], logits["reference", fp8]), f"fp8={fp8}: backends differ"
         # bf16: the swapped model rounds where the original does (and keeps the expert intermediate in fp32).
@@ -217,7 +222,7 @@ def _gpu_models(rank, world, kind):
         assert error <= bound, f"fp8: relative error {error:.3g}, bound {bound:.3g} (bf16 {bf16_error:.3g}, " \
                                f"FP8 inputs alone {fp8_error:.3g})"
 
-        layer = next(m for m in swapped.modules() if isinstance(m, EPMoE))     # a decode step in a CUDA graph
+        layer = next(m for m in swapped["nvshmem", True].modules() if isinstance(m, EPMoE))   # decode, CUDA graph
         x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
         layer(x)
         graph = torch.cuda.CUDAGraph()
