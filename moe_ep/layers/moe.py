@@ -167,9 +167,12 @@ class EPMoE(nn.Module):
             gate_up, gate_up_scales, down, down_scales = self._fp8_weights or self.quantize_experts()
         else:
             gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
+        weights = (gate_up, gate_up_scales, down, down_scales)
         if recv_x.is_cuda:
-            return self._run_experts_on_kernels(recv_x, recv_scales, recv_count, rows_per_expert,
-                                                gate_up, gate_up_scales, down, down_scales)
+            return self._run_experts_on_kernels(recv_x, recv_scales, recv_count, rows_per_expert, *weights)
+        return self._run_experts_in_torch(recv_x, recv_scales, recv_count, *weights)
+
+    def _run_experts_in_torch(self, recv_x, recv_scales, recv_count, gate_up, gate_up_scales, down, down_scales):
         dtype = self.gate_up_proj.dtype
         h = grouped_gemm_reference(recv_x, gate_up, recv_count, recv_scales, self.fp8_group,
                                    self._fused_activation or self.activation, gate_up_scales, dtype)
