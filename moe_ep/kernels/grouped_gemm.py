@@ -30,6 +30,8 @@ same time share the weight tile they read (L2).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -213,10 +215,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the FP8 groups")
     programs_per_sm = config.pop("programs_per_sm")
     tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n_out, config["BLOCK_N"])
-    if a.is_cuda:
-        programs = programs_per_sm * torch.cuda.get_device_properties(a.device).multi_processor_count
-    else:
-        programs = INTERPRETER_PROGRAMS
+    programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
     grouped_gemm_kernel[grid](a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows,
                               packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group,
@@ -224,6 +223,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
                               OUT_PACKED=out.dim() == 2, E_PAD=max(2, triton.next_power_of_2(experts)),
                               EVEN_K=k % config["BLOCK_K"] == 0, **config)
     return out
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
