@@ -1,74 +1,235 @@
-"""EPMoE forward: NVSHMEM backend against the NCCL reference backend, split into dispatch / experts / combine.
+"""EPMoE forward and its grouped GEMM, each against its baselines in the same run.
 
     bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR
 
-Layer: hidden 7168, intermediate 2048, 256 experts, top-8, bf16 weights, FP8 dispatch, at 128 and
-4096 tokens per rank. Also the masked grouped GEMM alone: TFLOP/s over the counted rows, against a
-per-expert torch matmul loop on the same rows. Medians of CUDA-event times; writes moe_layer.json.
+Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16)
+at 128 and 2048 tokens per rank, split into dispatch / experts / combine, eager and replayed from
+a CUDA graph: the NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens
+(the cost of capacity that is not used), FP8 and bf16 dispatch, FP8 experts; the reference
+backend (NCCL); and the transformers block itself, all 128 experts on one GPU.
+
+Grouped GEMM alone (the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
+rows per expert): ours masked by counts on the device (plain, gated with act(gate) * up fused, FP8
+rows into bf16 dots, FP8 rows and 128x128-block FP8 weights on FP8 dots), torch._grouped_mm,
+torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise scales), and a
+per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
+bytes the GEMM must move (rows in, each used expert's weights once, rows out).
+
+With --tune, only the gated grouped GEMM of every case, once per tile shape of TUNE_CANDIDATES,
+to fill grouped_gemm.TILE_CONFIGS with measured choices (writes moe_tuning.json).
+
+Medians of CUDA-event times. Writes moe_layer.json; a baseline that fails is recorded with its error.
 """
+import inspect
 import json
 import os
 
 import torch
 import torch.distributed as dist
 
-from moe_ep import EPMoE, random_topk, runtime
+from moe_ep import EPMoE, quantize_fp8, random_topk, runtime
 from moe_ep.kernels.grouped_gemm import grouped_gemm
-from moe_ep.timing import benchmark_args, environment, median_us
+from moe_ep.kernels.quant import quantize_weights_fp8
+from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
-HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 7168, 2048, 256, 8
+QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
+DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
+LAYER_TOKENS = (128, 2048)
+GEMM_CASES = [("deepseek_v3", DEEPSEEK, 8), ("deepseek_v3", DEEPSEEK, 256),
+              ("qwen3_30b_a3b", QWEN3, 32), ("qwen3_30b_a3b", QWEN3, 512)]
+DEFAULT_MAX_TOKENS = inspect.signature(EPMoE).parameters["max_tokens"].default
+# (BLOCK_M, BLOCK_N per accumulator, BLOCK_K, num_warps, num_stages, programs_per_sm): the shapes
+# Hopper's wgmma runs well, within the shared memory and registers one or two programs an SM have.
+TUNE_CANDIDATES = [(64, 32, 128, 4, 3, 2), (64, 64, 128, 4, 3, 2), (64, 64, 64, 4, 4, 2), (64, 128, 64, 4, 3, 1),
+                   (128, 64, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (128, 64, 128, 8, 3, 1), (64, 128, 128, 8, 3, 1)]
 
 
-def layer_times(backend: str, tokens: int, iters: int) -> dict:
-    rank = dist.get_rank()
-    layer = EPMoE(HIDDEN, INTERMEDIATE, EXPERTS, TOPK, max_tokens=tokens, backend=backend, device="cuda")
-    torch.nn.init.normal_(layer.gate_up_proj, std=HIDDEN ** -0.5)
-    torch.nn.init.normal_(layer.down_proj, std=INTERMEDIATE ** -0.5)
+def attempt(fn) -> dict:
+    """fn() or {"error": ...}: one failing baseline must not cost the others."""
+    try:
+        return fn()
+    except Exception as error:                       # recorded, not hidden: it lands in the JSON
+        return {"error": f"{type(error).__name__}: {error}"[:400]}
+
+
+# ---------------------------------------------------------------------------------------------- layer
+
+def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_experts: bool, iters: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = QWEN3
+    layer = EPMoE(s["hidden"], s["intermediate"], s["experts"], s["topk"], max_tokens=max_tokens, backend=backend,
+                  fp8_dispatch=fp8, fp8_experts=fp8_experts, device="cuda")
+    torch.nn.init.normal_(layer.gate_up_proj, std=s["hidden"] ** -0.5)
+    torch.nn.init.normal_(layer.down_proj, std=s["intermediate"] ** -0.5)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
-    ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
+    x = torch.randn(tokens, s["hidden"], generator=g).bfloat16().cuda()
+    ids, weights = random_topk(tokens, s["experts"], s["topk"], device="cuda", generator=g)
+    hint = tokens * world * s["topk"] / s["experts"]
     ep = layer._ep()
-    with torch.no_grad():
-        recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
-        out = layer.run_experts(recv_x, recv_scales, recv_count)
-        times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
-        recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
-        times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count), iters, 3)
-        times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
-        times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
-    if backend == "nvshmem":
-        ep.destroy()
+    try:
+        with torch.no_grad():
+            times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
+            recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+            out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
+            times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3)
+            times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
+            if fp8_experts:           # what FP8 weights cost: relative error of the counted rows against bf16 experts
+                exact = layer.run_experts(recv_x, recv_scales, recv_count, hint, fp8_experts=False)
+                counted = torch.arange(exact.shape[1], device="cuda")[None, :] < recv_count[:, None]
+                times["fp8_experts_rel_error"] = ((out - exact)[counted].float().norm()
+                                                  / exact[counted].float().norm()).item()
+            times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
+            if backend == "nvshmem":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    layer(x, ids, weights)
+                times["graph_us"] = median_us(graph.replay, iters, 3)
+    finally:
+        if backend == "nvshmem":
+            ep.destroy()
     return times
 
 
-def grouped_gemm_times(tokens: int, iters: int) -> dict:
-    """gate_up GEMM over a dispatch-like layout: TFLOP/s of our kernel and of a torch loop over experts."""
-    world = dist.get_world_size()
-    local, rows = EXPERTS // world, world * tokens
-    counts = torch.full((local,), tokens * world * TOPK // EXPERTS, dtype=torch.int32, device="cuda")
-    a = torch.randn(local, rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(local, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
-    n = counts.tolist()
-    flops = 2 * sum(n) * HIDDEN * 2 * INTERMEDIATE
-    ours = median_us(lambda: grouped_gemm(a, w, counts), iters, 3)
-    loop = median_us(lambda: [a[e, :n[e]] @ w[e].t() for e in range(local)], iters, 3)
-    return {"rows_per_expert": n[0], "grouped_gemm_us": ours, "grouped_gemm_TFLOPs": flops / ours / 1e6,
-            "torch_loop_us": loop, "torch_loop_TFLOPs": flops / loop / 1e6}
+def transformers_block_times(tokens: int, iters: int) -> dict:
+    """The model's own block with all experts on this GPU (what every rank runs before the swap)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    s = QWEN3
+    config = Qwen3MoeConfig(hidden_size=s["hidden"], moe_intermediate_size=s["intermediate"], num_experts=s["experts"],
+                            num_experts_per_tok=s["topk"], norm_topk_prob=True)
+    block = Qwen3MoeSparseMoeBlock(config).to("cuda", torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, tokens, s["hidden"], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        return {"forward_us": median_us(lambda: block(x), iters, 3),
+                "experts_implementation": str(getattr(config, "_experts_implementation", None))}
+
+
+def layer_rows(iters: int) -> list[dict]:
+    rows = []
+    for tokens in LAYER_TOKENS:
+        for backend, max_tokens, fp8, fp8_experts in (
+                ("nvshmem", tokens, True, False), ("nvshmem", tokens, False, False),
+                ("nvshmem", DEFAULT_MAX_TOKENS, True, False), ("nvshmem", tokens, True, True),
+                ("reference", tokens, True, False)):
+            row = {"tokens": tokens, "backend": backend, "max_tokens": max_tokens, "fp8_dispatch": fp8,
+                   "fp8_experts": fp8_experts}
+            rows.append({**row, **attempt(lambda: layer_times(tokens, backend, max_tokens, fp8, fp8_experts, iters))})
+        rows.append({"tokens": tokens, "backend": "transformers block, all experts on one GPU",
+                     **attempt(lambda: transformers_block_times(tokens, iters))})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- grouped GEMM
+
+def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
+    """The gate_up GEMM of one rank's experts with `rows` rows each."""
+    local = shape["experts"] // dist.get_world_size()
+    k, n = shape["hidden"], 2 * shape["intermediate"]
+    capacity = 2 * rows + 64                   # rows past the counts are never touched: any capacity will do
+    counts = torch.full((local,), rows, dtype=torch.int32, device="cuda")
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    a = torch.randn(local, capacity, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(local, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    packed = a[:, :rows].reshape(-1, k).contiguous()
+    q, q_scales = quantize_fp8(a.view(-1, k))
+    q, q_scales = q.view(local, capacity, k), q_scales.view(local, capacity, k // 128)
+    w_q, w_scales = quantize_weights_fp8(w)
+    flops = 2 * local * rows * n * k
+
+    def entry(kernel: str, fn, in_bytes: float, w_bytes: float, out_cols: int = n) -> dict:
+        def timed():
+            us = median_us(fn, iters, 3)
+            moved = local * rows * k * in_bytes + local * n * k * w_bytes + local * rows * out_cols * 2
+            return {"us": us, "TFLOPs": flops / us / 1e6, "GBs": moved / us / 1e3}
+        return {"shape": name, "rows_per_expert": rows, "kernel": kernel, **attempt(timed)}
+
+    results = [
+        entry("ours", lambda: grouped_gemm(a, w, counts, rows_per_expert=rows), 2, 2),
+        entry("ours, act(gate) * up fused", lambda: grouped_gemm(a, w, counts, activation="silu",
+                                                                  packed_rows=local * rows, rows_per_expert=rows),
+              2, 2, n // 2),
+        entry("ours, FP8 rows", lambda: grouped_gemm(q, w, counts, q_scales, 128, rows_per_expert=rows),
+              1 + 4 / 128, 2),
+        entry("ours, FP8 rows and weights", lambda: grouped_gemm(q, w_q, counts, q_scales, 128, rows_per_expert=rows,
+                                                                  w_scales=w_scales), 1 + 4 / 128, 1),
+        entry("torch._grouped_mm", lambda: torch._grouped_mm(packed, w.transpose(1, 2), offs=offsets), 2, 2),
+        entry("per-expert torch loop", lambda: [packed[e * rows:(e + 1) * rows] @ w[e].t() for e in range(local)],
+              2, 2),
+    ]
+    if hasattr(torch, "_scaled_grouped_mm"):
+        def scaled():
+            a8, a_scale = _rowwise_fp8(packed)
+            w8, w_scale = _rowwise_fp8(w.reshape(-1, k))
+            w8, w_scale = w8.view(local, n, k).transpose(1, 2), w_scale.view(local, n)
+            return lambda: torch._scaled_grouped_mm(a8, w8, a_scale, w_scale, offs=offsets, out_dtype=torch.bfloat16)
+        setup = attempt(lambda: {"fn": scaled()})
+        if "error" in setup:
+            results.append({"shape": name, "rows_per_expert": rows, "kernel": "torch._scaled_grouped_mm", **setup})
+        else:
+            results.append(entry("torch._scaled_grouped_mm", setup["fn"], 1 + 4 / k, 1))
+    return results
+
+
+def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
+    """The gated gate_up GEMM (what the layer runs first) once per candidate tile shape."""
+    local = shape["experts"] // dist.get_world_size()
+    k, n = shape["hidden"], 2 * shape["intermediate"]
+    counts = torch.full((local,), rows, dtype=torch.int32, device="cuda")
+    a = torch.randn(local, rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(local, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    h = torch.empty(local * rows, n // 2, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for m_, n_, k_, warps, stages, per_sm in TUNE_CANDIDATES:
+        tiles = dict(BLOCK_M=m_, BLOCK_N=n_, BLOCK_K=k_, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+
+        def timed():
+            us = median_us(lambda: grouped_gemm(a, w, counts, out=h, activation="silu", tiles=tiles), iters, 3)
+            return {"us": us, "TFLOPs": 2 * local * rows * n * k / us / 1e6}
+        results.append({"shape": name, "rows_per_expert": rows, "tiles": str(tiles), **attempt(timed)})
+    return results
+
+
+def _rowwise_fp8(x: torch.Tensor):
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take)."""
+    scale = x.float().abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (x.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
 
 
 def main():
-    args = benchmark_args(__doc__, iters=30)
+    args = benchmark_args(__doc__, iters=20, tune="time the gated grouped GEMM per candidate tile shape, only")
     rank = dist.get_rank()
-    results = {**environment(), "rows": []}
-    for tokens in (128, 4096):
-        row = {"tokens": tokens, "grouped_gemm": grouped_gemm_times(tokens, args.iters)}
-        for backend in ("nvshmem", "reference"):
-            row[backend] = layer_times(backend, tokens, args.iters)
-        results["rows"].append(row)
+    if args.tune:
+        tuning = {**environment(), "rows": []}
+        for name, shape, rows in GEMM_CASES:
+            tuning["rows"] += tuning_rows(name, shape, rows, args.iters)
         if rank == 0:
-            print(json.dumps(row), flush=True)
+            with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
+                json.dump(tuning, f, indent=1)
+            print(markdown_table(tuning["rows"], ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]))
+        runtime.finalize()
+        dist.destroy_process_group()
+        return
+    results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
+
+    def save():
+        if rank == 0:
             with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
                 json.dump(results, f, indent=1)
+
+    for name, shape, rows in GEMM_CASES:
+        results["grouped_gemm"] += gemm_rows(name, shape, rows, args.iters)
+        save()
+    results["layer"] = layer_rows(args.iters)
+    save()
+    if rank == 0:
+        print(markdown_table(results["grouped_gemm"], ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs",
+                                                       "error"]))
+        print()
+        print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts",
+                                                "dispatch_us", "experts_us", "combine_us", "forward_us", "graph_us",
+                                                "fp8_experts_rel_error", "error"]))
     runtime.finalize()
     dist.destroy_process_group()
 

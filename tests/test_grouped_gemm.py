@@ -1,37 +1,97 @@
-"""The masked grouped GEMM kernel against the torch reference (interpreter on CPU, compiled on GPU).
+"""The masked grouped GEMM kernel against its torch reference (interpreter on CPU, compiled on GPU).
 
-The interpreter's bfloat16 dot is not usable, so bfloat16 runs on the GPU only.
+Edge cases: empty experts, one row, a count equal to the capacity, every expert empty, both tile
+shape classes, packed and capacity layouts on either side, FP8 rows. Rows that the counts leave
+out must keep what the output held. The interpreter's bfloat16 dot is not usable, so bfloat16 runs
+on the GPU only.
 """
 import pytest
 import torch
 
-from moe_ep.kernels.grouped_gemm import grouped_gemm
-from moe_ep.reference import grouped_gemm as grouped_gemm_reference
+from moe_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_ep.reference import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FILL = 7.0
 
 
-@pytest.mark.parametrize("experts,rows,k,n,counts,dtype", [
-    (3, 16, 64, 32, [0, 1, 16], torch.float32),
-    (2, 70, 128, 96, [70, 5], torch.float32),
-    pytest.param(4, 8, 256, 64, [8, 0, 3, 7], torch.bfloat16, marks=pytest.mark.gpu),
-])
-def test_matches_reference(experts, rows, k, n, counts, dtype):
-    g = torch.Generator().manual_seed(rows * k)
+def _tolerance(dtype):
+    return 1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2   # GPU fp32 dots run in tf32
+
+
+def _inputs(experts, rows, k, n, counts, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + rows * k + n)
     a = torch.randn(experts, rows, k, generator=g).to(dtype).to(DEVICE)
     w = (torch.randn(experts, n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
-    out = torch.full((experts, rows, n), 7.0, dtype=dtype, device=DEVICE)
-    grouped_gemm(a, w, counts, out=out)
-    expected = grouped_gemm_reference(a, w, counts)
-    tol = 1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2   # GPU fp32 dots run in tf32
+    return a, w, torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+
+
+def _pack(x, counts):
+    return torch.cat([x[e, :c] for e, c in enumerate(counts.tolist())])
+
+
+def _check_capacity(out, expected, counts, tol):
     for e, count in enumerate(counts.tolist()):
         torch.testing.assert_close(out[e, :count].float(), expected[e, :count].float(), rtol=tol, atol=tol)
-        assert (out[e, count:] == 7.0).all(), "rows past the count must not be written"
+        assert (out[e, count:] == FILL).all(), f"expert {e}: rows past the count must not be written"
 
 
-def test_fp8_input_dequantized_on_load():
+@pytest.mark.parametrize("experts,rows,k,n,counts,dtype,rows_per_expert", [
+    (3, 16, 64, 32, [0, 1, 16], torch.float32, None),          # empty expert, one row, count = capacity
+    (2, 70, 128, 96, [70, 5], torch.float32, None),            # N not a multiple of the tile
+    (3, 130, 64, 160, [130, 0, 129], torch.float32, 1000),     # prefill tiles (128 rows), two row blocks
+    (2, 8, 64, 32, [0, 0], torch.float32, None),               # nothing to do
+    (2, 5, 40, 24, [5, 2], torch.float32, None),               # K not a multiple of BLOCK_K
+    pytest.param(4, 8, 256, 64, [8, 0, 3, 7], torch.bfloat16, None, marks=pytest.mark.gpu),
+    pytest.param(8, 512, 2048, 1536, [512, 0, 1, 300, 256, 511, 64, 65], torch.bfloat16, 1000,
+                 marks=pytest.mark.gpu),
+])
+def test_matches_reference(experts, rows, k, n, counts, dtype, rows_per_expert):
+    a, w, counts = _inputs(experts, rows, k, n, counts, dtype)
+    out = torch.full((experts, rows, n), FILL, dtype=dtype, device=DEVICE)
+    grouped_gemm(a, w, counts, out=out, rows_per_expert=rows_per_expert)
+    _check_capacity(out, grouped_gemm_reference(a, w, counts), counts, _tolerance(dtype))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("rows_per_expert", [None, 1000])
+def test_gated_packed_out_then_packed_in(activation, rows_per_expert):
+    """The two GEMMs of an MoE layer: gated gate_up into packed rows, then down back to capacity rows."""
+    experts, rows, hidden, inter = 4, 20, 64, 48
+    a, gate_up, counts = _inputs(experts, rows, hidden, 2 * inter, [3, 0, 20, 1], torch.float32)
+    down = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
+    packed_rows = 30                                             # > sum(counts) = 24: spare rows stay as they were
+    h = torch.full((packed_rows, inter), FILL, device=DEVICE)
+    grouped_gemm(a, gate_up, counts, out=h, activation=activation, rows_per_expert=rows_per_expert)
+    expected_h = grouped_gemm_reference(a, gate_up, counts, activation=activation)
+    tol = _tolerance(torch.float32)
+    torch.testing.assert_close(h[:24], _pack(expected_h, counts), rtol=tol, atol=tol)
+    assert (h[24:] == FILL).all()
+
+    out = torch.full((experts, rows, hidden), FILL, device=DEVICE)
+    grouped_gemm(h, down, counts, out=out, rows_per_expert=rows_per_expert)
+    _check_capacity(out, grouped_gemm_reference(expected_h, down, counts), counts, tol)
+
+
+def test_tiles_override():
+    a, w, counts = _inputs(2, 40, 64, 48, [40, 17], torch.float32)
+    tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, programs_per_sm=1)
+    out = torch.full((2, 40, 48), FILL, device=DEVICE)
+    grouped_gemm(a, w, counts, out=out, tiles=tiles)
+    _check_capacity(out, grouped_gemm_reference(a, w, counts), counts, _tolerance(torch.float32))
+
+
+def test_packed_rows_argument_allocates_packed_out():
+    a, w, counts = _inputs(2, 6, 32, 16, [2, 3], torch.float32)
+    h = grouped_gemm(a, w, counts, activation="silu", packed_rows=5)
+    assert h.shape == (5, 8)
+    tol = _tolerance(torch.float32)
+    torch.testing.assert_close(h, _pack(grouped_gemm_reference(a, w, counts, activation="silu"), counts),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_fp8_input_dequantized_on_load(activation):
     g = torch.Generator().manual_seed(0)
     experts, rows, k, n = 2, 16, 256, 32
     x = torch.randn(experts * rows, k, generator=g)
@@ -39,17 +99,51 @@ def test_fp8_input_dequantized_on_load():
     q, scales = q.view(experts, rows, k).to(DEVICE), scales.view(experts, rows, 2).to(DEVICE)
     w = (torch.randn(experts, n, k, generator=g) / k**0.5).to(DEVICE)
     counts = torch.tensor([16, 9], dtype=torch.int32, device=DEVICE)
-    out = grouped_gemm(q, w, counts, scales, 128)
-    expected = grouped_gemm_reference(q, w, counts, scales, 128)
-    tol = 1e-5 if DEVICE == "cpu" else 2e-2
-    for e, count in enumerate(counts.tolist()):
-        torch.testing.assert_close(out[e, :count], expected[e, :count], rtol=tol, atol=tol)
+    out = torch.full((experts, rows, n // 2 if activation else n), FILL, device=DEVICE)
+    grouped_gemm(q, w, counts, scales, 128, out=out, activation=activation)
+    _check_capacity(out, grouped_gemm_reference(q, w, counts, scales, 128, activation), counts,
+                    1e-5 if DEVICE == "cpu" else 2e-2)
 
 
 def test_bad_shapes_raise():
     a = torch.zeros(2, 4, 64, device=DEVICE)
+    counts = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="w must be"):
-        grouped_gemm(a, torch.zeros(3, 8, 64, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE))
+        grouped_gemm(a, torch.zeros(2, 8, 32, device=DEVICE), counts)
+    with pytest.raises(ValueError, match="a must be"):
+        grouped_gemm(torch.zeros(3, 4, 64, device=DEVICE), torch.zeros(2, 8, 64, device=DEVICE), counts)
     with pytest.raises(ValueError, match="scales"):
-        grouped_gemm(a.to(torch.float8_e4m3fn), torch.zeros(2, 8, 64, device=DEVICE),
-                     torch.zeros(2, dtype=torch.int32, device=DEVICE))
+        grouped_gemm(a.to(torch.float8_e4m3fn), torch.zeros(2, 8, 64, device=DEVICE), counts)
+    with pytest.raises(ValueError, match="counts"):
+        grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts.long())
+    with pytest.raises(ValueError, match="activation"):
+        grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, activation="relu")
+    with pytest.raises(ValueError, match="even"):
+        grouped_gemm(a, torch.zeros(2, 7, 64, device=DEVICE), counts, activation="silu")
+    with pytest.raises(ValueError, match="BLOCK_K=64 must divide"):
+        grouped_gemm(a.to(torch.float8_e4m3fn), torch.zeros(2, 8, 64, device=DEVICE), counts,
+                     torch.ones(2, 4, 2, device=DEVICE), 32, tiles=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
+                                                                        num_warps=4, num_stages=2, programs_per_sm=1))
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, out=torch.zeros(2, 4, 4, device=DEVICE))
+
+
+@pytest.mark.parametrize("rows_fp8", [False, True])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_fp8_weights(rows_fp8, activation):
+    """FP8 tensor-core path: 128 x 128 weight blocks; rows FP8 from dispatch, or quantized on load."""
+    from moe_ep.kernels.quant import quantize_weights_fp8
+    experts, rows, k, n = 3, 20, 256, 256
+    a, w, counts = _inputs(experts, rows, k, n, [20, 0, 7], torch.float32)
+    w_q, w_scales = quantize_weights_fp8(w)
+    scales = None
+    if rows_fp8:
+        q, scales = quantize_fp8(a.reshape(-1, k).cpu(), 128)
+        a, scales = q.view(a.shape).to(DEVICE), scales.view(experts, rows, 2).to(DEVICE)
+    out = torch.full((experts, rows, n // 2 if activation else n), FILL, dtype=torch.bfloat16, device=DEVICE)
+    grouped_gemm(a, w_q, counts, scales, 128, out=out, activation=activation, w_scales=w_scales)
+    expected = grouped_gemm_reference(a, w_q, counts, scales, 128, activation, w_scales=w_scales)
+    _check_capacity(out, expected, counts, 1e-2)                  # bf16 out: one rounding apart at most
+    exact = grouped_gemm_reference(a, w, counts, scales, 128, activation)
+    error = (out[0].float() - exact[0].float()).norm() / exact[0].float().norm()
+    assert error < 0.1, f"FP8 weights (and rows) cost {error:.3g} relative error"   # e4m3: 2**-4 per rounding

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_ep import quantize_fp8
+from moe_ep.kernels.quant import dequantize_weights_fp8, quantize_weights_fp8
 from moe_ep.reference import AMAX_FLOOR, FP8_MAX, dequantize_fp8
 from moe_ep.reference import quantize_fp8 as quantize_reference
 
@@ -53,6 +54,24 @@ def test_reference_round_trip_error():
     error = (dequantize_fp8(q, scales) - x).abs()
     bound = scales.repeat_interleave(128, dim=1) * 16      # half an e4m3 step at the top binade is 16
     assert (error <= bound).all()
+
+
+def test_weight_blocks_follow_the_row_formula():
+    """Each 128 x 128 block of an expert's weights is quantized as one group of the row formula."""
+    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 384)
+    w[1, :128, :128] = 0.0                                  # an all-zero block: the amax floor
+    q, scales = quantize_weights_fp8(w.bfloat16())
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (2, 2, 3)
+    for e, i, j in [(0, 0, 0), (0, 1, 2), (1, 0, 0), (1, 1, 1)]:
+        block = w.bfloat16()[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].reshape(1, -1)
+        q_ref, scale_ref = quantize_reference(block, 128 * 128)
+        assert torch.equal(scales[e, i, j], scale_ref[0, 0])
+        assert torch.equal(q[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].view(torch.uint8).reshape(1, -1),
+                           q_ref.view(torch.uint8))
+    error = (dequantize_weights_fp8(q, scales) - w.bfloat16().float()).abs()
+    assert (error <= scales.repeat_interleave(128, 1).repeat_interleave(128, 2) * 16).all()
+    with pytest.raises(ValueError, match="multiples of the block"):
+        quantize_weights_fp8(torch.zeros(1, 100, 128))
 
 
 @pytest.mark.gpu

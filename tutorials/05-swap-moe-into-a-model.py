@@ -10,12 +10,19 @@ Mixtral, Qwen3-MoE and others) and replaces each with an ``EPMoE`` holding only 
 share of the experts. The block's own router is kept, so softmax, top-k and renormalization
 stay exactly as the model defines them.
 
+Before it swaps anything, ``swap_moe`` checks each new layer against the block it replaces on a
+few random probe tokens (``verify=True``, the default; every rank still holds the whole block
+then) and refuses with a ValueError if they differ by more than the rounding of the dtype.
+
 Here every rank builds the same small Qwen3-MoE from a config (no download), generates a few
 tokens for its own prompts with the original model and with the swapped one, and checks that
-they agree. On GPUs the swapped model runs the NVSHMEM kernels in bf16 and the layer is timed;
-on CPU (launch.sh falls back to gloo) it runs the reference backend in fp32.
+they agree. It prints what the verification cost, and the time of one forward of the whole model
+before and after the swap. On GPUs the swapped model runs the NVSHMEM kernels in bf16 and one
+layer is timed alone too; on CPU (launch.sh falls back to gloo) it runs the reference backend in fp32.
 """
 import copy
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +41,19 @@ def small_qwen3_moe() -> torch.nn.Module:
     return transformers.Qwen3MoeForCausalLM(config).eval()
 
 
+def per_forward_us(forward, cuda: bool) -> float:
+    """Median microseconds of forward(): CUDA events on GPUs, the host clock on CPU."""
+    if cuda:
+        return median_us(forward, 20, 3)
+    forward()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        forward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 def main():
     device = runtime.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -41,7 +61,15 @@ def main():
     model = small_qwen3_moe().to(device, torch.bfloat16 if cuda else torch.float32)
     prompts = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(rank)).to(device)
     options = dict(max_tokens=64, backend="nvshmem" if cuda else "reference", fp8_dispatch=False)
+    start = time.perf_counter()
+    swap_moe(copy.deepcopy(model), verify=False, **options)
+    unverified_s = time.perf_counter() - start
+    start = time.perf_counter()
     swapped = swap_moe(copy.deepcopy(model), **options)
+    verified_s = time.perf_counter() - start
+    if rank == 0:
+        print(f"swap_moe: {verified_s * 1e3:.0f} ms with verification, {unverified_s * 1e3:.0f} ms without "
+              f"(2 MoE blocks, checking costs {(verified_s - unverified_s) * 1e3:.0f} ms)")
 
     generate = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)   # the same number of steps on every rank
     with torch.no_grad():
@@ -54,6 +82,13 @@ def main():
         assert agree > 0.9, "bf16 generation drifted"
     else:
         assert agree == 1.0
+
+    with torch.no_grad():
+        before_us = per_forward_us(lambda: model(prompts), cuda)
+        after_us = per_forward_us(lambda: swapped(prompts), cuda)
+    if rank == 0:
+        print(f"one forward of the model over {prompts.numel()} tokens per rank: {before_us:.0f} us before the swap "
+              f"(every rank computes every expert), {after_us:.0f} us after ({world} ranks share the experts)")
 
     if cuda:
         layer = next(m for m in swapped.modules() if isinstance(m, EPMoE))

@@ -1,64 +1,261 @@
-"""Masked grouped GEMM over the expert-major layout that dispatch produces.
+"""Masked grouped GEMMs over the expert-major rows that dispatch produces; the work follows the counts.
 
-    out[e, r, :] = a[e, r, :] @ w[e].T        for r < counts[e], every local expert e
+    out[e, r] = a[e, r] @ w[e].T                                          activation=None
+    out[e, r] = act(a[e, r] @ w[e, :N/2].T) * (a[e, r] @ w[e, N/2:].T)     activation="silu" or "gelu"
 
-a is [E, R, K] (bf16/fp16/fp32, or FP8 e4m3 with per-row, per-`group`-column scales that are
-applied as the tile is loaded), w is [E, N, K] (an expert's weights as nn.Linear stores them),
-out is [E, R, N]. Rows at or past counts[e] are never read or computed and are left as they
-were: the shapes stay static (CUDA graphs), the work follows the counts.
+for r < counts[e], every local expert e. w is [E, N, K] (nn.Linear's layout; for the gated form
+the gate rows first, then the up rows, as transformers stores ``gate_up_proj``). a is bf16/fp16/
+fp32, or FP8 e4m3 with per-row, per-`group`-column fp32 scales.
 
-One program computes a BLOCK_M x BLOCK_N tile of one expert; programs whose rows all lie past
-the expert's count return at once.
+With weights in the dtype of the rows the GEMM runs in that dtype, and FP8 rows are dequantized
+as a tile is loaded. With FP8 weights (``quant.quantize_weights_fp8``: one scale per
+WEIGHT_BLOCK x WEIGHT_BLOCK tile) it runs on FP8 tensor cores: rows that are not FP8 already are
+quantized as they are loaded, per row and BLOCK_K columns with the rows' formula
+(``quant.fp8_quantize_groups``), and every BLOCK_K step adds dot(a_q, w_q) * a_scale * w_scale
+to the fp32 accumulator (the scales of one step are constant along K).
+
+Rows come in one of two layouts, for a and for out independently:
+    capacity  [E, R, C]: expert e's rows at [e, 0:counts[e]] (what dispatch delivers, combine reads)
+    packed    [P, C]:    expert e's rows at [s_e, s_e + counts[e]), s_e = counts[:e].sum()
+The gated GEMM of an MoE layer writes packed rows, so its [*, N/2] intermediate is as large as
+the rows a rank can receive (W * T_max * min(K, E_loc)), not E_loc times the per-expert capacity.
+
+Tile scheduler: the grid is a fixed number of persistent programs (the same every call, so CUDA
+graphs can capture it). Each program loads the counts, computes on the device how many
+BLOCK_M x BLOCK_N tiles every expert has (cdiv(counts[e], BLOCK_M) * cdiv(N_out, BLOCK_N)) and
+takes tiles pid, pid + programs, ... of that list. An empty expert has no tiles, rows past a
+count are never read or written, and a program past the last tile exits at once: no host sync.
+Inside an expert the row-blocks of one column-block are consecutive, so programs running at the
+same time share the weight tile they read (L2).
 """
+from __future__ import annotations
+
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .. import reference
+from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
 
-@triton.jit(do_not_specialize=["rows"])
-def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr, rows, K: tl.constexpr, N: tl.constexpr,
-                        FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    expert = tl.program_id(2)
-    count = tl.load(counts_ptr + expert)
-    if tl.program_id(0) * BLOCK_M < count:
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row = expert.to(tl.int64) * rows + m
+ACTIVATIONS = ("silu", "gelu")
+
+# Tile shapes per shape class on Hopper (wgmma: 64 rows per warpgroup). The class is picked on the
+# host from the expected rows per expert (no sync). decode: a handful of rows per expert, the GEMM
+# reads each weight once and is bound by HBM bandwidth: 64-row tiles waste least, narrow column
+# blocks give enough programs to keep the memory system busy, and 3 stages of 64x128 + 128x64 bf16
+# (96 KB) let two programs share an SM. prefill: 128 x 128 tiles with 8 warps (64 fp32 accumulator
+# registers a thread; 4 stages, 128 KB of shared memory, one program an SM). The gated form keeps
+# two accumulators, so it halves BLOCK_N to keep the same registers and shared memory.
+TILE_CONFIGS = {
+    "decode": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "prefill": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
+}
+WEIGHT_BLOCK = tl.constexpr(128)   # FP8 weights: one scale per 128 x 128 tile (DeepSeek-V3's); BLOCK_K is 128 then
+DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile covers an expert
+INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "silu":
+        y = x * tl.sigmoid(x)
+    else:   # "gelu", the exact (erf) form
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    return y
+
+
+@triton.jit(do_not_specialize=["rows", "packed_rows", "experts"])
+def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, rows, packed_rows, experts,
+                        K: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, FP8: tl.constexpr, W_FP8: tl.constexpr,
+                        GROUP: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, A_PACKED: tl.constexpr,
+                        OUT_PACKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """a: [E * rows, K] or packed [packed_rows, K]; scale: [same rows, K // GROUP] f32 (FP8 a only);
+    w: [E, N, K]; w_scale: [E, N / WEIGHT_BLOCK, K / WEIGHT_BLOCK] f32 (FP8 w only);
+    out: [E * rows, N_OUT] or packed [packed_rows, N_OUT]; N_OUT = N / 2 when GATED.
+    Rows and columns past the edges compute from row / column 0 and are masked at the store."""
+    e = tl.arange(0, E_PAD)
+    counts = tl.minimum(tl.maximum(tl.load(counts_ptr + e, mask=e < experts, other=0), 0), rows)
+    tiles = tl.cdiv(counts, BLOCK_M) * tl.cdiv(N_OUT, BLOCK_N)
+    tile_end = tl.cumsum(tiles, 0)
+    row_start = tl.cumsum(counts, 0) - counts                      # s_e of the packed layout
+    for t in range(tl.program_id(0), tl.sum(tiles), tl.num_programs(0)):
+        expert = tl.sum((tile_end <= t).to(tl.int32))
+        mine = e == expert
+        count = tl.sum(tl.where(mine, counts, 0))
+        local = t - tl.sum(tl.where(mine, tile_end - tiles, 0))
+        tiles_m = tl.cdiv(count, BLOCK_M)
+        m = (local % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = (local // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start = tl.sum(tl.where(mine, row_start, 0))
+        valid = (m < count) & (start + m < packed_rows)               # packed rows past the buffer: never
+        m_in = tl.where(valid, m, 0)                                   # row 0 exists: count > 0 here
+        n_in = tl.where(n < N_OUT, n, 0)
+        a_first = expert.to(tl.int64) * rows                           # capacity layout
+        if A_PACKED:
+            a_first = start.to(tl.int64)
+        out_first = expert.to(tl.int64) * rows
+        if OUT_PACKED:
+            out_first = start.to(tl.int64)
+        a_tile = a_ptr + a_first * K + m_in[:, None] * K               # 64-bit base, 32-bit offsets
+        w_tile = w_ptr + expert.to(tl.int64) * N * K + n_in[None, :] * K
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + row[:, None] * K + k[None, :], mask=(m < count)[:, None] & (k < K)[None, :],
-                        other=0.0)
+            if EVEN_K:
+                a = tl.load(a_tile + k[None, :])
+            else:   # zeros past K in a; w reads column 0 there instead (readable, multiplied by zero)
+                a = tl.load(a_tile + k[None, :], mask=(k < K)[None, :], other=0.0)
+                k = tl.where(k < K, k, 0)
             if FP8:   # BLOCK_K divides GROUP: one scale per row for the whole tile
-                scale = tl.load(scale_ptr + row * (K // GROUP) + k0 // GROUP, mask=m < count, other=0.0)
-                a = (a.to(tl.float32) * scale[:, None]).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + expert.to(tl.int64) * N * K + n[None, :] * K + k[:, None],
-                        mask=(n < N)[None, :] & (k < K)[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
-        tl.store(out_ptr + row[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(m < count)[:, None] & (n < N)[None, :])
+                scale = tl.load(scale_ptr + (a_first + m_in) * (K // GROUP) + k0 // GROUP)
+            if W_FP8:
+                if not FP8:
+                    a, scale = fp8_quantize_groups(a.to(tl.float32))
+                    a = to_fp8(a)
+                w_scales = w_scale_ptr + expert.to(tl.int64) * (N // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK) \
+                    + k0 // WEIGHT_BLOCK
+                w = tl.load(w_tile + k[:, None])
+                w_scale = tl.load(w_scales + (n_in // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
+                acc += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
+                if GATED:
+                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    w_scale = tl.load(w_scales + ((N_OUT + n_in) // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
+                    up += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
+            else:
+                if FP8:
+                    a = (a.to(tl.float32) * scale[:, None]).to(w_ptr.dtype.element_ty)
+                w = tl.load(w_tile + k[:, None])
+                acc = tl.dot(a, w, acc)
+                if GATED:
+                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    up = tl.dot(a, w, up)
+        if GATED:
+            acc = _activation(acc, ACTIVATION) * up
+        tl.store(out_ptr + out_first * N_OUT + m[:, None] * N_OUT + n[None, :],
+                 cast_rn(acc, out_ptr.dtype.element_ty), mask=valid[:, None] & (n < N_OUT)[None, :])
+
+
+def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False,
+                fp8_weights: bool = False) -> dict:
+    """The TILE_CONFIGS entry for `rows_per_expert` expected rows; BLOCK_N halved for the gated form
+    (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
+    capped at the group of FP8 rows."""
+    config = dict(TILE_CONFIGS["decode" if rows_per_expert <= DECODE_ROWS else "prefill"])
+    if gated:
+        config["BLOCK_N"] //= 2
+    if fp8_weights:         # 128-column steps of bf16 rows and FP8 weights: 48 KB a stage, so at most 3
+        config["BLOCK_K"], config["num_stages"] = WEIGHT_BLOCK.value, min(config["num_stages"], 3)
+    if fp8_group:
+        config["BLOCK_K"] = min(config["BLOCK_K"], fp8_group)
+    return config
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
-                 group: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a [E, R, K], w [E, N, K], counts [E] int32 (on a's device), scales [E, R, K // group] f32 for FP8 a.
+                 group: int = 128, out: torch.Tensor | None = None, activation: str | None = None,
+                 packed_rows: int | None = None, rows_per_expert: float | None = None,
+                 w_scales: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+    """a [E, R, K] or packed [P, K]; w [E, N, K]; counts [E] int32 on a's device; scales like a with
+    K // group columns, f32, for FP8 a. activation None, "silu" or "gelu" (gated: N_out = N / 2).
+    FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
+    tiles: an entry like TILE_CONFIGS' to use as it is instead of the table's (for tuning; BLOCK_N
+    counts output columns, BLOCK_K must divide the FP8 groups).
 
-    Returns out [E, R, N] in w's dtype; rows past counts[e] keep whatever `out` held.
+    out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
+    packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
+    picks the tile shapes (default: the capacity R). Returns out; rows past the counts keep what
+    out held. A packed side must hold sum(counts) rows (rows past its end are skipped).
     """
-    experts, rows, k = a.shape
-    if w.dim() != 3 or w.shape[0] != experts or w.shape[2] != k:
-        raise ValueError(f"w must be [{experts}, N, {k}], got {tuple(w.shape)}")
-    if counts.shape != (experts,):
-        raise ValueError(f"counts must be [{experts}], got {tuple(counts.shape)}")
+    experts = w.shape[0] if w.dim() == 3 else None
+    if experts is None or w.shape[2] != a.shape[-1]:
+        raise ValueError(f"w must be [E, N, {a.shape[-1]}], got {tuple(w.shape)}")
+    if a.dim() not in (2, 3) or (a.dim() == 3 and a.shape[0] != experts):
+        raise ValueError(f"a must be [{experts}, R, K] or packed [P, K], got {tuple(a.shape)}")
+    if counts.shape != (experts,) or counts.dtype != torch.int32 or counts.device != a.device:
+        raise ValueError(f"counts must be int32 [{experts}] on {a.device}, got {counts.dtype} "
+                         f"{tuple(counts.shape)} on {counts.device}")
+    if activation not in (None, *ACTIVATIONS):
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    k, n = a.shape[-1], w.shape[1]
+    if activation and n % 2:
+        raise ValueError(f"a gated GEMM needs an even N (gate rows, then up rows), got {n}")
+    n_out = n // 2 if activation else n
     fp8 = a.dtype == torch.float8_e4m3fn
-    if fp8 and (scales is None or scales.shape != (experts, rows, k // group)):
-        raise ValueError(f"FP8 input needs scales [{experts}, {rows}, {k // group}]")
-    n = w.shape[1]
+    if fp8 and (k % group or scales is None or scales.shape != (*a.shape[:-1], k // group)):
+        raise ValueError(f"FP8 input needs K a multiple of group and scales {(*a.shape[:-1], k // group)}")
+    fp8_weights = w.dtype == torch.float8_e4m3fn
+    block = WEIGHT_BLOCK.value
+    if fp8_weights and (n % block or k % block or w_scales is None
+                        or w_scales.shape != (experts, n // block, k // block)):
+        raise ValueError(f"FP8 weights need N and K multiples of {block} and w_scales "
+                         f"{(experts, n // block, k // block)}")
+    out_dtype = torch.bfloat16 if fp8_weights else w.dtype
     if out is None:
-        out = torch.empty((experts, rows, n), dtype=w.dtype, device=a.device)
-    block_k = min(64, group) if fp8 else 64
-    grid = (triton.cdiv(rows, 64), triton.cdiv(n, 64), experts)
-    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, out, counts, rows, K=k, N=n, FP8=fp8, GROUP=group,
-                              BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k)
+        if packed_rows is not None:
+            out = torch.empty((packed_rows, n_out), dtype=out_dtype, device=a.device)
+        else:
+            out = torch.empty((*a.shape[:-1], n_out), dtype=out_dtype, device=a.device)
+    if out.shape[-1] != n_out or out.dim() not in (2, 3) or (out.dim() == 3 and out.shape[0] != experts):
+        raise ValueError(f"out must be [{experts}, R, {n_out}] or packed [P, {n_out}], got {tuple(out.shape)}")
+    capacity = [t.shape[1] for t in (a, out) if t.dim() == 3]
+    packed = [t.shape[0] for t in (a, out) if t.dim() == 2]
+    if len(set(capacity)) > 1 or len(set(packed)) > 1:
+        raise ValueError(f"a {tuple(a.shape)} and out {tuple(out.shape)} disagree on the rows")
+    if not (a.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
+        raise ValueError("a, w and out must be contiguous")
+    rows = capacity[0] if capacity else packed[0]       # the most rows any one expert can have
+    packed_rows = packed[0] if packed else 2**31 - 1
+    config = dict(tiles) if tiles is not None else tile_config(
+        rows if rows_per_expert is None else rows_per_expert, group if fp8 else None, gated=activation is not None,
+        fp8_weights=fp8_weights)
+    if (fp8 and group % config["BLOCK_K"]) or (fp8_weights and WEIGHT_BLOCK.value % config["BLOCK_K"]):
+        raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the FP8 groups")
+    programs_per_sm = config.pop("programs_per_sm")
+    tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n_out, config["BLOCK_N"])
+    programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
+    grid = (max(1, min(programs, tiles)),)
+    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows,
+                              packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group,
+                              GATED=activation is not None, ACTIVATION=activation or "", A_PACKED=a.dim() == 2,
+                              OUT_PACKED=out.dim() == 2, E_PAD=max(2, triton.next_power_of_2(experts)),
+                              EVEN_K=k % config["BLOCK_K"] == 0, **config)
+    return out
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
+                           group: int = 128, activation=None, w_scales: torch.Tensor | None = None,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What grouped_gemm computes, in plain torch, capacity layout in and out: each expert's counted
+    rows (dequantized if FP8) times its weights (dequantized if FP8) in fp32, for a gated form
+    act(gate) * up of the fp32 results, cast once to out_dtype (default: w's, bf16 for FP8 weights).
+    With FP8 weights, rows that are not FP8 are first quantized per WEIGHT_BLOCK columns, as the
+    kernel does on load. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
+    Rows past the counts are zero."""
+    if activation is None and w_scales is None:
+        return reference.grouped_gemm(a, w, counts, scales, group).to(out_dtype or w.dtype)
+    out_dtype = out_dtype or (torch.bfloat16 if w_scales is not None else w.dtype)
+    if w_scales is not None:
+        w = dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
+        if scales is None:
+            q, scales = reference.quantize_fp8(a.reshape(-1, a.shape[-1]), WEIGHT_BLOCK.value)
+            a, scales, group = q.view(a.shape), scales.view(*a.shape[:-1], -1), WEIGHT_BLOCK.value
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}.get(activation, activation)
+    n_out = w.shape[1] // 2 if activation is not None else w.shape[1]
+    out = torch.zeros((*a.shape[:2], n_out), dtype=out_dtype, device=a.device)
+    for e, count in enumerate(counts.tolist()):
+        rows = a[e, :count]
+        rows = reference.dequantize_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
+        y = rows @ w[e].float().t()
+        if activation is not None:
+            gate, up = y.chunk(2, dim=-1)
+            y = act(gate) * up
+        out[e, :count] = y.to(out_dtype)
     return out

@@ -120,3 +120,25 @@ def quantize_fp8(x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = tor
         grid = (tokens, triton.cdiv(num_groups, per_program))
         quantize_fp8_kernel[grid](x, q, scales, num_groups, GROUP=group, GROUPS_PER_PROGRAM=per_program)
     return q, scales
+
+
+def quantize_weights_fp8(w: torch.Tensor, block: int = 128):
+    """Expert weights w [E, N, K] -> (q [E, N, K] float8_e4m3fn, scales [E, N / block, K / block] float32).
+
+    One scale per block x block tile (N and K multiples of block), the formula of the rows:
+    scale = max(amax of the tile, 1e-4) * fp32(1 / 448), q = fp8(w / scale). Plain torch: it runs
+    once, when a layer's weights are quantized.
+    """
+    experts, n, k = w.shape
+    if n % block or k % block:
+        raise ValueError(f"weights [{experts}, {n}, {k}]: N and K must be multiples of the block {block}")
+    tiles = w.float().reshape(experts, n // block, block, k // block, block)
+    scales = tiles.abs().amax(dim=(2, 4)).clamp(min=AMAX_FLOOR.value) * INV_FP8_MAX.value
+    q = (tiles / scales[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return q.reshape(experts, n, k), scales
+
+
+def dequantize_weights_fp8(q: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """(q [E, N, K] fp8, scales [E, N / block, K / block]) -> float32 [E, N, K]."""
+    full = scales.repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
+    return q.float() * full
