@@ -14,7 +14,8 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
 perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
-Writes tp.json and tp.md under --out; rank 0 prints the table.
+Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
+says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where this torch has it).
 """
 import json
 import os
@@ -27,25 +28,36 @@ from moe_ep import AsyncTP, reference, runtime
 from moe_ep.tp import predicted_us
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
-SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336)]
+# prefill (a-d), then decode (M = 128 and 512 tokens)
+SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
+          (128, 8192, 28672), (512, 8192, 28672)]
 
 
 def torch_fused_ops():
-    """PyTorch's fused ops on the default group (None where this torch has none)."""
+    """PyTorch's fused ops on the default group ((None, None) where this torch has none), and the
+    symmetric-memory allocator they were set up with ("CUDA", or this torch's default where it has
+    no CUDA allocator: some builds register only NVSHMEM's)."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
-        return None, None
+        return (None, None), "none"
     name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "set_backend"):    # PyTorch's own allocator: NVSHMEM belongs to moe_ep in this process
-        symm_mem.set_backend("CUDA")
+    backend = "default"
+    if hasattr(symm_mem, "set_backend"):    # PyTorch's own allocator where it has one: NVSHMEM is moe_ep's here
+        try:
+            symm_mem.set_backend("CUDA")
+            backend = "CUDA"
+        except RuntimeError as e:
+            backend = f"default (set_backend('CUDA'): {str(e).splitlines()[0][:80]})"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(name)
+    if hasattr(symm_mem, "get_backend"):
+        backend += f", get_backend: {symm_mem.get_backend(torch.device('cuda', torch.cuda.current_device()))}"
     ops = torch.ops.symm_mem
     return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
-            lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name))
+            lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
 
 
 def measure(op, shape, tp, fused, iters):
@@ -122,7 +134,7 @@ def main():
     max_rows = max(m for m, _, _ in SHAPES)
     max_features = max(max(k, n) for _, k, n in SHAPES)
     tp = AsyncTP(max_rows, max_features)
-    fused = torch_fused_ops()
+    fused, meta["torch_symm_mem_backend"] = torch_fused_ops()
     rows = []
     for op in ("ag_gemm", "gemm_rs"):
         for shape in SHAPES:

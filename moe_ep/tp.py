@@ -155,6 +155,14 @@ class AsyncTP(runtime.CommObject):
         if a.shape[1] != w.shape[0]:
             raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
 
+    def _check_bounds(self, op: str, m: int, name: str, features: int) -> None:
+        """ValueError naming the bound of the constructor that a call's M (rows, all ranks) or
+        `name` = K (all-gather) / N (reduce-scatter) exceeds."""
+        for what, value, bound in (("M", m, "max_rows"), (name, features, "max_features")):
+            if value > getattr(self, bound):
+                raise ValueError(f"{op}: {what}={value} exceeds this AsyncTP's {bound}={getattr(self, bound)}; "
+                                 f"construct it with {bound} >= {value}")
+
     def _path(self, op: str, m: int, k: int, n: int) -> str:
         """"never", "fused" or "chunked" for this call (see the module docstring)."""
         if self.backend == "reference" or m == 0 or n == 0:
@@ -173,9 +181,7 @@ class AsyncTP(runtime.CommObject):
         self._check_operands("ag_gemm", a_shard, w)
         rows, k = a_shard.shape
         m, n = rows * self.world, w.shape[1]
-        if m > self.max_rows or k > self.max_features:
-            raise ValueError(f"ag_gemm: M={m}, K={k} exceed this AsyncTP's max_rows={self.max_rows} / "
-                             f"max_features={self.max_features}")
+        self._check_bounds("ag_gemm", m, "K", k)
         path = self._path("ag_gemm", m, k, n)
         if path == "never":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
@@ -240,9 +246,7 @@ class AsyncTP(runtime.CommObject):
         n = w.shape[1]
         if m % self.world:
             raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
-        if m > self.max_rows or n > self.max_features:
-            raise ValueError(f"gemm_rs: M={m}, N={n} exceed this AsyncTP's max_rows={self.max_rows} / "
-                             f"max_features={self.max_features}")
+        self._check_bounds("gemm_rs", m, "N", n)
         if self.backend == "reference":
             return reference.gemm_rs(a, w, self.group)
         path = self._path("gemm_rs", m, k, n)

@@ -72,10 +72,11 @@ def _repeated_calls_and_the_fallback(rank, world):
     a, w = operands(rank, world, 4, 256, 512, dtype, False, seed=7)
     close(auto.ag_gemm(a, w), reference.ag_gemm(a, w), dtype, lambda m: f"auto, small: {m}")
 
-    tp = paths["fused"]
+    tp = paths["fused"]                          # bad inputs: w fits each a but for the one size under test
+    a, w = operands(rank, world, rows, k, n, dtype, False, seed=8)
     with pytest.raises(ValueError, match="dtype"):
         tp.ag_gemm(a.float(), w)
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match=f"M={world * (rows + 1)} exceeds .* max_rows={world * rows}"):
         tp.ag_gemm(torch.zeros(rows + 1, k, dtype=dtype, device="cuda"), w)
     with pytest.raises(ValueError, match="evenly"):
         tp.gemm_rs(torch.zeros(world * rows - 1, k, dtype=dtype, device="cuda"), w)
