@@ -176,7 +176,14 @@ class AsyncTP(runtime.CommObject):
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
     def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
-        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked)."""
+        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked).
+
+        Differentiable (``AllGatherGemm``): the gradient of a_shard is a GEMM reduce-scatter."""
+        if torch.is_grad_enabled() and (a_shard.requires_grad or w.requires_grad):
+            return AllGatherGemm.apply(a_shard, w, self._ag_gemm, self._gemm_rs, return_gathered)
+        return self._ag_gemm(a_shard, w, return_gathered)
+
+    def _ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
         self._raise_if_failed()
         self._check_operands("ag_gemm", a_shard, w)
         rows, k = a_shard.shape
@@ -239,7 +246,14 @@ class AsyncTP(runtime.CommObject):
     def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
         of the sum over ranks of a @ w). The overlapped paths sum the partials in fp32; the plain
-        path reduces in the dtype, as NCCL does (the same result for two ranks)."""
+        path reduces in the dtype, as NCCL does (the same result for two ranks).
+
+        Differentiable (``GemmReduceScatter``): the gradient of a is an all-gather GEMM."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmReduceScatter.apply(a, w, self._gemm_rs, self._ag_gemm)
+        return self._gemm_rs(a, w)
+
+    def _gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         self._raise_if_failed()
         self._check_operands("gemm_rs", a, w)
         m, k = a.shape
@@ -336,3 +350,64 @@ class AsyncTP(runtime.CommObject):
             runtime.stream_write_value(address, 1, torch.cuda.current_stream())
         else:
             self._views[name][peer][index] = 1
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+class AllGatherGemm(torch.autograd.Function):
+    """out [M, N] = all_gather(a_shard [M/W, K]) @ w [K, N] (and the gathered A [M, K] if asked), with
+
+        grad a_shard = reduce_scatter(grad_out @ w.T)     a GEMM reduce-scatter, overlapped as the forward is
+        grad w       = all_gather(a_shard).T @ grad_out   the gathered A, kept from the forward
+
+    ``ag(a_shard, w, return_gathered=...)`` and ``rs(a, w)`` are the two non-differentiable ops
+    (an AsyncTP's, or ``moe_ep.reference``'s on a process group). The gathered A is kept only when
+    w needs a gradient; grad_out is made contiguous (the ops take row-major activations).
+    """
+
+    @staticmethod
+    def forward(ctx, a_shard, w, ag, rs, return_gathered: bool = False):
+        keep = ctx.needs_input_grad[1]
+        if keep or return_gathered:
+            out, gathered = ag(a_shard, w, return_gathered=True)
+        else:
+            out, gathered = ag(a_shard, w), None
+        ctx.save_for_backward(gathered if keep else None, w)
+        ctx.rs = rs
+        if return_gathered:
+            ctx.mark_non_differentiable(gathered)
+            return out, gathered
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        gathered, w = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_a = ctx.rs(grad_out, w.t()) if ctx.needs_input_grad[0] else None
+        grad_w = gathered.t() @ grad_out if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None, None, None
+
+
+class GemmReduceScatter(torch.autograd.Function):
+    """out [M/W, N] = reduce_scatter(a [M, K] @ w [K, N]), with
+
+        grad a = all_gather(grad_out) @ w.T               an all-gather GEMM, overlapped as the forward is
+        grad w = a.T @ all_gather(grad_out)               the gathered grad_out that GEMM hands back
+
+    ``rs(a, w)`` and ``ag(a_shard, w, return_gathered=...)`` as in ``AllGatherGemm``.
+    """
+
+    @staticmethod
+    def forward(ctx, a, w, rs, ag):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
+        ctx.ag = ag
+        return rs(a, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, w = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if not ctx.needs_input_grad[1]:
+            return ctx.ag(grad_out, w.t()), None, None, None
+        grad_a, gathered = ctx.ag(grad_out, w.t(), return_gathered=True)
+        return (grad_a if ctx.needs_input_grad[0] else None), a.t() @ gathered, None, None

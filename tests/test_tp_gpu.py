@@ -1,4 +1,4 @@
-"""AsyncTP's kernels and the TP layers against the reference on NCCL, on 2+ GPUs.
+"""AsyncTP's kernels and the TP layers (forward and backward) against the reference on NCCL, on 2+ GPUs.
 
 Tolerances: the kernels and cuBLAS accumulate in fp32 in different orders, and the outputs
 are rounded to bf16/fp16, so results are compared with rtol = atol = 2e-2 (bf16) / 5e-3 (fp16)
@@ -97,19 +97,44 @@ def _timeout_raises(rank, world):
     tp.destroy()
 
 
+def grads_close(got, expected, what, tol=2e-2):
+    """bf16 gradients against fp32 ones: max |got - expected| <= tol * max |expected| (bf16 rounds
+    each activation and product to 2**-8 relative; sums over thousands of rows average it out)."""
+    error = (got.float() - expected).abs().max().item()
+    assert error <= tol * expected.abs().max().item(), f"{what}: max error {error}, max |expected| " \
+        f"{expected.abs().max().item()}"
+
+
 def _mlp_matches_unsharded(rank, world):
+    """Forward and backward of TPMLP (weights requiring grad, as from_mlp leaves them) on every path,
+    against the unsharded MLP: outputs against its bf16 forward, gradients against an fp32 copy."""
     torch.manual_seed(0)
     hidden, inner, m = 1024, 2816 * world // 2, 1000 * world
     mlp = llama_mlp(hidden, inner).cuda().to(torch.bfloat16)
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    mine = slice(rank * m // world, (rank + 1) * m // world)
-    expected = mlp(x)[mine]
+    g = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    mine, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * inner // world, (rank + 1) * inner // world)
+    with torch.no_grad():
+        expected = mlp(x)[mine]
+    full = llama_mlp(hidden, inner).cuda()
+    full.load_state_dict(mlp.state_dict())           # fp32 copy of the same bf16 weights
+    x32 = x.float().requires_grad_()
+    (full(x32) * g.float()).sum().backward()
+    gate_up_grad = torch.cat([full.gate_proj.weight.grad[cols], full.up_proj.weight.grad[cols]])
+
     comm = AsyncTP(max_rows=m, max_features=max(hidden, inner))
-    tp_mlp = TPMLP.from_mlp(mlp, comm=comm)
-    for path in ("fused", "chunked", "auto"):
-        comm.overlap = path
-        close(tp_mlp(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP ({path}): {msg}")
-    close(TPMLP.from_mlp(mlp)(x[mine]), expected, torch.bfloat16, lambda msg: f"TPMLP (reference): {msg}")
+    runs = [(path, TPMLP.from_mlp(mlp, comm=comm)) for path in ("fused", "chunked", "auto")]
+    runs.append(("reference", TPMLP.from_mlp(mlp)))
+    for path, tp_mlp in runs:
+        comm.overlap = path if path != "reference" else "auto"
+        x_shard = x[mine].clone().requires_grad_()
+        y = tp_mlp(x_shard)
+        close(y, expected, torch.bfloat16, lambda msg: f"TPMLP ({path}): {msg}")
+        (y * g[mine]).sum().backward()
+        grads_close(x_shard.grad, x32.grad[mine], f"TPMLP ({path}) input gradient")
+        grads_close(tp_mlp.gate_up_proj.weight.grad, gate_up_grad, f"TPMLP ({path}) gate/up weight gradient")
+        grads_close(tp_mlp.down_proj.weight.grad, full.down_proj.weight.grad[:, cols],
+                    f"TPMLP ({path}) down weight gradient")
     comm.check()
     comm.destroy()
 

@@ -50,6 +50,61 @@ def test_tp_layers_match_unsharded(world):
     run(_layers_match, world)
 
 
+def _backward(module, x, grad_out, needs_x=True):
+    """x.grad (None unless needs_x) after (module(x) * grad_out).sum().backward(); x is detached first."""
+    x = x.detach().clone().requires_grad_(needs_x)
+    (module(x) * grad_out).sum().backward()
+    return x.grad
+
+
+def _gradients_match(rank, world, use_comm):
+    """Input, weight and bias gradients of the sharded layers against the unsharded modules (fp32).
+    Weights require grad (from_linear outside torch.no_grad); each layer is also run with a frozen
+    weight, and with an input that needs no gradient."""
+    torch.manual_seed(0)                                  # the same full modules and inputs on every rank
+    m, hidden, inner = 4 * world, 32, 16 * world
+    width = inner // world
+    mine, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * width, (rank + 1) * width)
+    comm = AsyncTP(m, max(hidden, inner), dtype=torch.float32, backend="reference") if use_comm else None
+    tight = dict(rtol=1e-5, atol=1e-5)
+
+    column, row, mlp = nn.Linear(hidden, inner), nn.Linear(inner, hidden), llama_mlp(hidden, inner)
+    x, h, g_inner, g_hidden = torch.randn(m, hidden), torch.randn(m, inner), torch.randn(m, inner), torch.randn(m, hidden)
+    x_grad, h_grad, mlp_x_grad = _backward(column, x, g_inner), _backward(row, h, g_hidden), _backward(mlp, x, g_hidden)
+
+    for needs_x, needs_w in ((True, True), (True, False), (False, True)):
+        tp_column = ColumnParallelLinear.from_linear(column, comm=comm).requires_grad_(needs_w)
+        grad = _backward(tp_column, x[mine], g_inner[:, cols], needs_x)
+        if needs_x:
+            torch.testing.assert_close(grad, x_grad[mine], **tight)
+        if needs_w:
+            torch.testing.assert_close(tp_column.weight.grad, column.weight.grad[cols], **tight)
+            torch.testing.assert_close(tp_column.bias.grad, column.bias.grad[cols], **tight)
+
+        tp_row = RowParallelLinear.from_linear(row, comm=comm).requires_grad_(needs_w)
+        grad = _backward(tp_row, h[:, cols], g_hidden[mine], needs_x)
+        if needs_x:
+            torch.testing.assert_close(grad, h_grad[:, cols], **tight)
+        if needs_w:
+            torch.testing.assert_close(tp_row.weight.grad, row.weight.grad[:, cols], **tight)
+            bias_grad = tp_row.bias.grad.clone()          # this rank's rows' share of the replicated bias
+            dist.all_reduce(bias_grad)
+            torch.testing.assert_close(bias_grad, row.bias.grad, **tight)
+
+    tp_mlp = TPMLP.from_mlp(mlp, comm=comm)
+    grad = _backward(tp_mlp, x[mine].reshape(2, -1, hidden), g_hidden[mine])    # output rows flattened
+    torch.testing.assert_close(grad.reshape(-1, hidden), mlp_x_grad[mine], **tight)
+    gate_up = torch.cat([mlp.gate_proj.weight.grad[cols], mlp.up_proj.weight.grad[cols]])
+    torch.testing.assert_close(tp_mlp.gate_up_proj.weight.grad, gate_up, **tight)
+    torch.testing.assert_close(tp_mlp.down_proj.weight.grad, mlp.down_proj.weight.grad[:, cols], **tight)
+
+
+@pytest.mark.parametrize("use_comm", [False, True], ids=["group", "asynctp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_gradients_match_unsharded(world, use_comm):
+    run(_gradients_match, world, use_comm)
+
+
 def _async_tp_on_the_reference_backend(rank, world):
     torch.manual_seed(rank)
     rows, k, n = 3, 16, 8
@@ -62,6 +117,13 @@ def _async_tp_on_the_reference_backend(rank, world):
     parts = [torch.empty(world * rows, n) for _ in range(world)]
     dist.all_gather(parts, a_full @ w)
     torch.testing.assert_close(tp.gemm_rs(a_full, w), sum(parts)[rank * rows:(rank + 1) * rows])
+
+    a_grad = a.clone().requires_grad_()                  # differentiable; the gathered A is not
+    out, gathered = tp.ag_gemm(a_grad, w, return_gathered=True)
+    assert out.requires_grad and not gathered.requires_grad and torch.equal(gathered[rank * rows:(rank + 1) * rows], a)
+    out.sum().backward()
+    expected = tp.gemm_rs(torch.ones(world * rows, n), w.t())
+    torch.testing.assert_close(a_grad.grad, expected)
 
     with pytest.raises(ValueError, match="dtype"):
         tp.ag_gemm(a.double(), w)

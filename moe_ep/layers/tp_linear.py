@@ -10,15 +10,23 @@ Inputs and outputs are sequence-parallel: rank r holds rows [r*M/tp, (r+1)*M/tp)
 leading dimensions. The communication runs through ``comm``, an ``moe_ep.AsyncTP`` (all-gather
 GEMM and GEMM reduce-scatter, overlapped where that pays). Without one, a layer runs
 ``moe_ep.reference`` on torch.distributed over ``group`` (CPU with gloo, or NCCL).
+
+The layers train: the gradient of an all-gather GEMM's input is a GEMM reduce-scatter and the
+other way round (``moe_ep.tp.AllGatherGemm``, ``GemmReduceScatter``), on the same backend as
+the forward. A row-parallel layer's bias is whole on every rank and added to this rank's rows,
+so its gradient holds this rank's rows' share: all-reduce it over the group before the
+optimizer step, as any parameter replicated under sequence parallelism.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import reference
-from ..tp import AsyncTP
+from ..tp import AllGatherGemm, AsyncTP, GemmReduceScatter
 
 
 def _split(total: int, world: int, what: str) -> int:
@@ -51,6 +59,10 @@ class _TPLinear(nn.Module):
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.weight.shape[1]}")
         return x.reshape(-1, x.shape[-1])
+
+    def _reference_ops(self):
+        """(all-gather GEMM, GEMM reduce-scatter) of moe_ep.reference on this layer's group."""
+        return partial(reference.ag_gemm, group=self.group), partial(reference.gemm_rs, group=self.group)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, comm: AsyncTP | None = None):
@@ -89,7 +101,7 @@ class ColumnParallelLinear(_TPLinear):
         """x [M/tp rows, in] (leading dims flattened) -> [M, out/tp]."""
         rows = self._rows(x)
         if self.comm is None:
-            y = reference.ag_gemm(rows, self.weight.t(), self.group)
+            y = AllGatherGemm.apply(rows.contiguous(), self.weight.t(), *self._reference_ops())
         else:
             y = self.comm.ag_gemm(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
@@ -107,7 +119,8 @@ class RowParallelLinear(_TPLinear):
         rows = self._rows(x)
         _split(rows.shape[0], self.world, "rows")
         if self.comm is None:
-            y = reference.gemm_rs(rows, self.weight.t(), self.group)
+            ag, rs = self._reference_ops()
+            y = GemmReduceScatter.apply(rows.contiguous(), self.weight.t(), rs, ag)
         else:
             y = self.comm.gemm_rs(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
