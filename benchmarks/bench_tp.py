@@ -11,7 +11,9 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers)
-  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice)
+  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
+              its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
+              host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
 perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
 Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
@@ -19,6 +21,7 @@ says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where t
 """
 import json
 import os
+import time
 import warnings
 
 import torch
@@ -97,6 +100,18 @@ def measure(op, shape, tp, fused, iters):
             row[f"{path}_max_abs_diff"] = (with_overlap(path)().float() - expected).abs().max().item()
         except Exception as e:
             row[f"{path}_max_abs_diff"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        with_overlap("auto")()
+        torch.cuda.synchronize()
+        row["auto_first_call_ms"] = (time.perf_counter() - start) * 1e3
+        choice = tp.choices[(op, m, local_k, local_n)]
+        row["auto_path"] = choice["path"]
+        row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
+    except Exception as e:
+        row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("fused_us", with_overlap("fused")),
                ("chunked_us", with_overlap("chunked")), ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
@@ -113,9 +128,6 @@ def measure(op, shape, tp, fused, iters):
     ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row[key], float)]
     if ours and all(isinstance(row[key], float) for key in ("plain_us", "comm_us", "gemm_us")):
         row["overlap_efficiency"] = (row["plain_us"] - min(ours)) / min(row["comm_us"], row["gemm_us"])
-    local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
-    tp.overlap = "auto"
-    row["auto_path"] = tp._path(op, m, local_k, local_n)
     predicted = predicted_us(op, m, local_k, local_n, world)
     row.update({f"predicted_{path}_us": t for path, t in predicted.items()})
     return row
@@ -123,6 +135,7 @@ def measure(op, shape, tp, fused, iters):
 
 COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
            "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
+           "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
            "chunked_max_abs_diff"]
 

@@ -16,10 +16,17 @@ Each call takes one of three paths (``overlap``):
   - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
-``overlap="auto"`` (the default) takes the path the cost model below predicts fastest, and an
-overlapped one only where it predicts a gain of 5% or more, so that a call is not slower than
-the plain path. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
+``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
+fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
+slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
+for every later call of that shape. The cost model below only orders the candidates and leaves
+out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+``choices`` holds each decision: the path, the times it was chosen by, and what the first call
+cost. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
 with gloo too).
+
+Both ops are differentiable (``AllGatherGemm`` and ``GemmReduceScatter``, at the end): the
+input gradient of each is the other op, on the same object and paths.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel):
 buffers are reused from call to call, and a peer may write into them only once this rank is
@@ -28,6 +35,7 @@ done with the previous call. Calls must be made in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,18 +45,25 @@ from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_rs as rs_kernels
 from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
+from .timing import median_us
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): predictions, to be replaced by what
-# benchmarks/bench_tp.py measures.
+# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
+# hopeless ones; the choice itself is measured (AsyncTP._path).
 CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
 TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
 LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
 HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
 OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
+
+HOPELESS = 1.5           # a path predicted this much slower than the best prediction is not timed: wide
+                         # enough for unmeasured constants, narrow enough that the launches and the
+                         # barrier of an overlapped call rule it out on small shapes
+MEASURE_WARMUP = 1       # untimed calls of each candidate (the first compiles the Triton kernels)
+MEASURE_ITERS = 3        # timed calls of each candidate; the median counts
 
 _MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
 
@@ -67,6 +82,23 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
     reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
     return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
             "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
+
+
+def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> list[str]:
+    """The paths overlap="auto" times for this shape, fastest predicted first: "never" always, an
+    overlapped path where predicted_us puts it within HOPELESS of the best prediction."""
+    times = predicted_us(op, m, k, n, world, element_size)
+    best = min(times.values())
+    return sorted((path for path, t in times.items() if path == "never" or t <= HOPELESS * best), key=times.get)
+
+
+def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str, dict[str, float]]:
+    """Time each candidate on this rank (`time_us(path)` -> microseconds), keep each one's time on
+    its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
+    which calls this collectively with the same candidates in the same order."""
+    times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
 
 
 class AsyncTP(runtime.CommObject):
@@ -123,6 +155,9 @@ class AsyncTP(runtime.CommObject):
         self.backend, self.overlap, self.timeout_s = backend, overlap, timeout_s
         self._symmetric: dict[str, torch.Tensor] = {}
         self._broken: str | None = None
+        # (op, M, K, N) -> {"path", "times_us": {path: us on the slowest rank}, "first_call_ms": host
+        # time spent choosing} for overlap="auto"; filled by the first call of each shape
+        self.choices: dict[tuple, dict] = {}
 
     def _allocate(self, symmetric_zeros, programs: int) -> None:
         """Symmetric buffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size
@@ -163,15 +198,28 @@ class AsyncTP(runtime.CommObject):
                 raise ValueError(f"{op}: {what}={value} exceeds this AsyncTP's {bound}={getattr(self, bound)}; "
                                  f"construct it with {bound} >= {value}")
 
-    def _path(self, op: str, m: int, k: int, n: int) -> str:
-        """"never", "fused" or "chunked" for this call (see the module docstring)."""
+    def _path(self, op: str, m: int, k: int, n: int, run) -> str:
+        """"never", "fused" or "chunked" for this call (see the module docstring). Under overlap="auto"
+        the first call of a shape runs `run(path)` (the op on this call's operands, result dropped)
+        for each candidate: collective, as every call."""
         if self.backend == "reference" or m == 0 or n == 0:
             return "never"
         if self.overlap != "auto":
             return self.overlap
-        times = predicted_us(op, m, k, n, self.world, self.dtype.itemsize)
-        best = min(("fused", "chunked"), key=times.get)
-        return best if times[best] * 1.05 <= times["never"] else "never"
+        key = (op, m, k, n)
+        if key not in self.choices:
+            start = time.perf_counter()
+            candidates = candidate_paths(op, m, k, n, self.world, self.dtype.itemsize)
+            path, times = "never", {}
+            if len(candidates) > 1:
+                path, times = measured_choice(candidates, lambda p: self._time_us(lambda: run(p)), self.group,
+                                              self.device)
+            self.choices[key] = {"path": path, "times_us": times,
+                                 "first_call_ms": (time.perf_counter() - start) * 1e3}
+        return self.choices[key]["path"]
+
+    def _time_us(self, fn) -> float:
+        return median_us(fn, MEASURE_ITERS, MEASURE_WARMUP)
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
@@ -189,7 +237,12 @@ class AsyncTP(runtime.CommObject):
         rows, k = a_shard.shape
         m, n = rows * self.world, w.shape[1]
         self._check_bounds("ag_gemm", m, "K", k)
-        path = self._path("ag_gemm", m, k, n)
+        path = self._path("ag_gemm", m, k, n, lambda p: self._ag_gemm_on(p, a_shard, w, False))
+        return self._ag_gemm_on(path, a_shard, w, return_gathered)
+
+    def _ag_gemm_on(self, path: str, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool):
+        rows, k = a_shard.shape
+        m = rows * self.world
         if path == "never":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
         self._start("ag_flags", self.world)
@@ -263,7 +316,11 @@ class AsyncTP(runtime.CommObject):
         self._check_bounds("gemm_rs", m, "N", n)
         if self.backend == "reference":
             return reference.gemm_rs(a, w, self.group)
-        path = self._path("gemm_rs", m, k, n)
+        path = self._path("gemm_rs", m, k, n, lambda p: self._gemm_rs_on(p, a, w))
+        return self._gemm_rs_on(path, a, w)
+
+    def _gemm_rs_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "never":
             dist.reduce_scatter_tensor(out, a @ w, group=self.group)

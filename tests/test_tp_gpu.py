@@ -67,10 +67,22 @@ def _repeated_calls_and_the_fallback(rank, world):
     for tp in paths.values():
         tp.check()
 
-    auto = AsyncTP(world * 8192, 8192)           # overlap="auto": the cost model picks per shape
-    assert auto._path("ag_gemm", 2 * world, 128, 128) == "never", "tiny shapes take the plain path"
+    auto = AsyncTP(world * 2048, 4096)           # overlap="auto": measured on the first call of a shape
     a, w = operands(rank, world, 4, 256, 512, dtype, False, seed=7)
     close(auto.ag_gemm(a, w), reference.ag_gemm(a, w), dtype, lambda m: f"auto, small: {m}")
+    assert auto.choices[("ag_gemm", 4 * world, 256, 512)]["times_us"] == {}, "tiny shapes: the plain path, untimed"
+    assert auto.choices[("ag_gemm", 4 * world, 256, 512)]["path"] == "never"
+    a, w = operands(rank, world, 2048, 4096, 4096, dtype, True, seed=9)
+    a_full, _ = operands(rank, world, world * 2048, 4096, 4096, dtype, True, seed=10)
+    for call in range(2):                        # the first call measures, the second reuses the choice
+        close(auto.ag_gemm(a, w), reference.ag_gemm(a, w), dtype, lambda m: f"auto ag_gemm, call {call}: {m}")
+        close(auto.gemm_rs(a_full, w), reference.gemm_rs(a_full, w), dtype, lambda m: f"auto gemm_rs, call {call}: {m}")
+    for op in ("ag_gemm", "gemm_rs"):
+        choice = auto.choices[(op, world * 2048, 4096, 4096)]
+        assert len(choice["times_us"]) == 3, f"{op}: every path is timed at this shape: {choice}"
+        decisions = [None] * world
+        dist.all_gather_object(decisions, (choice["path"], choice["times_us"]))
+        assert all(d == decisions[0] for d in decisions), f"{op}: the ranks decided differently: {decisions}"
 
     tp = paths["fused"]                          # bad inputs: w fits each a but for the one size under test
     a, w = operands(rank, world, rows, k, n, dtype, False, seed=8)
@@ -113,7 +125,8 @@ def _mlp_matches_unsharded(rank, world):
     mlp = llama_mlp(hidden, inner).cuda().to(torch.bfloat16)
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    mine, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * inner // world, (rank + 1) * inner // world)
+    mine = slice(rank * m // world, (rank + 1) * m // world)
+    cols = slice(rank * inner // world, (rank + 1) * inner // world)
     with torch.no_grad():
         expected = mlp(x)[mine]
     full = llama_mlp(hidden, inner).cuda()

@@ -7,7 +7,7 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
-from moe_ep.tp import predicted_us
+from moe_ep.tp import candidate_paths, measured_choice, predicted_us
 
 
 def _layers_match(rank, world):
@@ -69,7 +69,8 @@ def _gradients_match(rank, world, use_comm):
     tight = dict(rtol=1e-5, atol=1e-5)
 
     column, row, mlp = nn.Linear(hidden, inner), nn.Linear(inner, hidden), llama_mlp(hidden, inner)
-    x, h, g_inner, g_hidden = torch.randn(m, hidden), torch.randn(m, inner), torch.randn(m, inner), torch.randn(m, hidden)
+    x, g_hidden = torch.randn(m, hidden), torch.randn(m, hidden)
+    h, g_inner = torch.randn(m, inner), torch.randn(m, inner)
     x_grad, h_grad, mlp_x_grad = _backward(column, x, g_inner), _backward(row, h, g_hidden), _backward(mlp, x, g_hidden)
 
     for needs_x, needs_w in ((True, True), (True, False), (False, True)):
@@ -167,3 +168,36 @@ def test_cost_model():
         assert times["never"] < min(times["fused"], times["chunked"])
     times = predicted_us("ag_gemm", 16384, 8192, 4096, world=2)   # the (16384, 8192, 8192) at tp 2
     assert times["never"] / times["chunked"] > 1.2
+
+
+def test_candidates_of_the_measured_choice():
+    assert candidate_paths("ag_gemm", 4, 128, 128, world=2) == ["never"]      # overhead rules overlap out
+    assert candidate_paths("ag_gemm", 16384, 8192, 4096, world=2) == ["chunked", "fused", "never"]
+
+
+def _measured_choice_agrees_and_is_cached(rank, world):
+    # rank 0 alone finds "chunked" fastest; on their slowest rank "never" wins: every rank takes it
+    mine = {"chunked": 50.0 if rank == 0 else 200.0, "fused": 150.0, "never": 100.0 + rank}
+    path, times = measured_choice(["chunked", "fused", "never"], mine.get, None, torch.device("cpu"))
+    assert path == "never" and times == {"chunked": 200.0, "fused": 150.0, "never": 100.0 + world - 1}
+
+    tp = AsyncTP.__new__(AsyncTP)                       # the nvshmem backend's choice logic, no buffers
+    tp._configure(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0)
+    tp.group, tp.device = None, torch.device("cpu")
+    ran = []
+    mine = {"chunked": 10.0 if rank == 0 else 30.0, "fused": 20.0, "never": 40.0}
+    tp._time_us = lambda fn: (fn(), mine[ran[-1]])[1]   # a fake clock: the candidate that just ran
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
+    assert ran == ["chunked", "fused", "never"]
+    choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
+    assert choice["times_us"] == {"chunked": 30.0, "fused": 20.0, "never": 40.0} and choice["first_call_ms"] > 0
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 3    # cached
+    assert tp._path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 6    # a new shape
+    assert tp._path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 6           # untimed
+    assert tp.choices[("ag_gemm", 4, 128, 128)]["times_us"] == {}
+    tp.overlap = "chunked"
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 6
+
+
+def test_measured_choice_agrees_across_ranks_and_is_cached():
+    run(_measured_choice_agrees_and_is_cached, 2)
