@@ -3,6 +3,7 @@
     tp = AsyncTP(max_rows=16384, max_features=28672)     # collective, once per process group
     out = tp.ag_gemm(a_shard, w)      # a_shard [M/W, K], w [K, N]   -> all_gather(a_shard) @ w   [M, N]
     out = tp.gemm_rs(a, w)            # a [M, K], w [K, N]           -> reduce_scatter(a @ w)     [M/W, N]
+    out = tp.gemm_ar(a, w)            # a [M, K], w [K, N]           -> all_reduce(a @ w)         [M, N]
 
 W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
 w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
@@ -25,8 +26,10 @@ out the hopeless ones (on small shapes all overlapped paths: "never" is then tak
 cost. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
 with gloo too).
 
-Both ops are differentiable (``AllGatherGemm`` and ``GemmReduceScatter``, at the end): the
-input gradient of each is the other op, on the same object and paths.
+``gemm_ar`` (row-parallel without sequence parallelism: decode) is cuBLAS, then an NCCL all-reduce.
+
+The ops are differentiable (``AllGatherGemm``, ``GemmReduceScatter``, ``GemmAllReduce``, at the
+end): the input gradient of each of the first two is the other op, on the same object and paths.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel):
 buffers are reused from call to call, and a peer may write into them only once this rank is
@@ -334,6 +337,28 @@ class AsyncTP(runtime.CommObject):
             self._rs_reduce_chunked(a, w, out)
         return out
 
+    # ------------------------------------------------------------------------------------ GEMM all-reduce
+
+    def gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N], the sum over ranks
+        of a @ w, the same on every rank: cuBLAS, then an NCCL all-reduce (which sums in the dtype;
+        the reference backend sums in fp32).
+
+        Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmAllReduce.apply(a, w, self._gemm_ar)
+        return self._gemm_ar(a, w)
+
+    def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        self._raise_if_failed()
+        self._check_operands("gemm_ar", a, w)
+        self._check_bounds("gemm_ar", a.shape[0], "N", w.shape[1])
+        if self.backend == "reference":
+            return reference.gemm_ar(a, w, self.group)
+        out = a @ w
+        dist.all_reduce(out, group=self.group)
+        return out
+
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
 
@@ -468,3 +493,41 @@ class GemmReduceScatter(torch.autograd.Function):
             return ctx.ag(grad_out, w.t()), None, None, None
         grad_a, gathered = ctx.ag(grad_out, w.t(), return_gathered=True)
         return (grad_a if ctx.needs_input_grad[0] else None), a.t() @ gathered, None, None
+
+
+class GemmAllReduce(torch.autograd.Function):
+    """out [M, N] = all_reduce(a [M, K] @ w [K, N]), the same on every rank, with
+
+        grad a = grad_out @ w.T,  grad w = a.T @ grad_out   no communication: every rank's grad_out
+                                                             is the gradient of the whole output
+
+    ``ar(a, w)`` is the non-differentiable op (an AsyncTP's, or ``moe_ep.reference.gemm_ar``).
+    """
+
+    @staticmethod
+    def forward(ctx, a, w, ar):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
+        return ar(a, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, w = ctx.saved_tensors
+        grad_a = grad_out @ w.t() if ctx.needs_input_grad[0] else None
+        grad_w = a.t() @ grad_out if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None
+
+
+class AllReduceGrad(torch.autograd.Function):
+    """x unchanged; its gradient summed over the group's ranks: the input of a column-parallel layer
+    without sequence parallelism, whose every rank's output depends on the whole, replicated x."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

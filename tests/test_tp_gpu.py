@@ -128,7 +128,7 @@ def _mlp_matches_unsharded(rank, world):
     mine = slice(rank * m // world, (rank + 1) * m // world)
     cols = slice(rank * inner // world, (rank + 1) * inner // world)
     with torch.no_grad():
-        expected = mlp(x)[mine]
+        expected = mlp(x)
     full = llama_mlp(hidden, inner).cuda()
     full.load_state_dict(mlp.state_dict())           # fp32 copy of the same bf16 weights
     x32 = x.float().requires_grad_()
@@ -138,13 +138,16 @@ def _mlp_matches_unsharded(rank, world):
     comm = AsyncTP(max_rows=m, max_features=max(hidden, inner))
     runs = [(path, TPMLP.from_mlp(mlp, comm=comm)) for path in ("fused", "chunked", "auto")]
     runs.append(("reference", TPMLP.from_mlp(mlp)))
+    runs += [(f"{name}, all rows", TPMLP.from_mlp(mlp, comm=c, sequence_parallel=False))   # gemm_ar
+             for name, c in (("nvshmem", comm), ("reference", None))]
     for path, tp_mlp in runs:
-        comm.overlap = path if path != "reference" else "auto"
-        x_shard = x[mine].clone().requires_grad_()
-        y = tp_mlp(x_shard)
-        close(y, expected, torch.bfloat16, lambda msg: f"TPMLP ({path}): {msg}")
-        (y * g[mine]).sum().backward()
-        grads_close(x_shard.grad, x32.grad[mine], f"TPMLP ({path}) input gradient")
+        comm.overlap = path if path in ("fused", "chunked") else "auto"
+        rows = mine if tp_mlp.down_proj.sequence_parallel else slice(None)
+        x_in = x[rows].clone().requires_grad_()
+        y = tp_mlp(x_in)
+        close(y, expected[rows], torch.bfloat16, lambda msg: f"TPMLP ({path}): {msg}")
+        (y * g[rows]).sum().backward()
+        grads_close(x_in.grad, x32.grad[rows], f"TPMLP ({path}) input gradient")
         grads_close(tp_mlp.gate_up_proj.weight.grad, gate_up_grad, f"TPMLP ({path}) gate/up weight gradient")
         grads_close(tp_mlp.down_proj.weight.grad, full.down_proj.weight.grad[:, cols],
                     f"TPMLP ({path}) down weight gradient")

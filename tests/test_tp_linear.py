@@ -106,6 +106,44 @@ def test_tp_gradients_match_unsharded(world, use_comm):
     run(_gradients_match, world, use_comm)
 
 
+def _without_sequence_parallelism(rank, world, use_comm):
+    """sequence_parallel=False: every rank holds all rows (M not a multiple of tp); outputs and the
+    gradients of inputs, weights and biases against the unsharded modules (fp32)."""
+    torch.manual_seed(0)
+    m, hidden, inner = 3, 32, 16 * world
+    cols = slice(rank * inner // world, (rank + 1) * inner // world)
+    comm = AsyncTP(4 * world, max(hidden, inner), dtype=torch.float32, backend="reference") if use_comm else None
+    tight = dict(rtol=1e-5, atol=1e-5)
+    column, row, mlp = nn.Linear(hidden, inner), nn.Linear(inner, hidden), llama_mlp(hidden, inner)
+    x, g_hidden = torch.randn(m, hidden), torch.randn(m, hidden)
+    h, g_inner = torch.randn(m, inner), torch.randn(m, inner)
+
+    tp_column = ColumnParallelLinear.from_linear(column, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_column(x), column(x)[:, cols], **tight)
+    torch.testing.assert_close(_backward(tp_column, x, g_inner[:, cols]), _backward(column, x, g_inner), **tight)
+    torch.testing.assert_close(tp_column.weight.grad, column.weight.grad[cols], **tight)
+    torch.testing.assert_close(tp_column.bias.grad, column.bias.grad[cols], **tight)
+
+    tp_row = RowParallelLinear.from_linear(row, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_row(h[:, cols]), row(h), **tight)
+    torch.testing.assert_close(_backward(tp_row, h[:, cols], g_hidden), _backward(row, h, g_hidden)[:, cols], **tight)
+    torch.testing.assert_close(tp_row.weight.grad, row.weight.grad[:, cols], **tight)
+    torch.testing.assert_close(tp_row.bias.grad, row.bias.grad, **tight)     # replicated output: the whole gradient
+
+    tp_mlp = TPMLP.from_mlp(mlp, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_mlp(x), mlp(x), **tight)
+    torch.testing.assert_close(_backward(tp_mlp, x, g_hidden), _backward(mlp, x, g_hidden), **tight)
+    torch.testing.assert_close(tp_mlp.down_proj.weight.grad, mlp.down_proj.weight.grad[:, cols], **tight)
+    gate_up = torch.cat([mlp.gate_proj.weight.grad[cols], mlp.up_proj.weight.grad[cols]])
+    torch.testing.assert_close(tp_mlp.gate_up_proj.weight.grad, gate_up, **tight)
+
+
+@pytest.mark.parametrize("use_comm", [False, True], ids=["group", "asynctp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_layers_without_sequence_parallelism(world, use_comm):
+    run(_without_sequence_parallelism, world, use_comm)
+
+
 def _async_tp_on_the_reference_backend(rank, world):
     torch.manual_seed(rank)
     rows, k, n = 3, 16, 8
@@ -118,6 +156,7 @@ def _async_tp_on_the_reference_backend(rank, world):
     parts = [torch.empty(world * rows, n) for _ in range(world)]
     dist.all_gather(parts, a_full @ w)
     torch.testing.assert_close(tp.gemm_rs(a_full, w), sum(parts)[rank * rows:(rank + 1) * rows])
+    torch.testing.assert_close(tp.gemm_ar(a_full, w), sum(parts))
 
     a_grad = a.clone().requires_grad_()                  # differentiable; the gathered A is not
     out, gathered = tp.ag_gemm(a_grad, w, return_gathered=True)
@@ -136,6 +175,10 @@ def _async_tp_on_the_reference_backend(rank, world):
         tp.gemm_rs(torch.randn(world * rows - 1, k), w)
     with pytest.raises(ValueError, match="columns"):
         tp.gemm_rs(torch.randn(world * rows, k + 1), w)
+    with pytest.raises(ValueError, match="N=17 exceeds .* max_features=16"):
+        tp.gemm_ar(torch.randn(world * rows, k), torch.randn(k, 17))
+    with pytest.raises(ValueError, match="dtype"):
+        tp.gemm_ar(a_full.double(), w)
     with pytest.raises(ValueError, match="2-D"):
         tp.ag_gemm(a[None], w)
     with pytest.raises(ValueError, match="contiguous"):
