@@ -5,12 +5,13 @@
 Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores them (w = weight.t()):
   AG-GEMM  a_shard [M/tp, K] @ w [K, N/tp] -> [M, N/tp]   (column-parallel, sequence-parallel input)
   GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
+  GEMM-AR  a [M, K/tp] @ w [K/tp, N] -> [M, N]            (row-parallel, all rows: decode, M <= 512 only)
 For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
-  plain       NCCL then cuBLAS (or the reverse), nothing overlapped: the baseline
+  plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce): the baseline
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
-  chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers)
+  chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
@@ -34,6 +35,7 @@ from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 # prefill (a-d), then decode (M = 128 and 512 tokens)
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
           (128, 8192, 28672), (512, 8192, 28672)]
+DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
 
 
 def torch_fused_ops():
@@ -74,6 +76,17 @@ def measure(op, shape, tp, fused, iters):
         comm = lambda: dist.all_gather_into_tensor(gathered, a)          # noqa: E731
         gemm = lambda: gathered @ w                                        # noqa: E731
         plain = lambda: reference.ag_gemm(a, w)                            # noqa: E731
+    elif op == "gemm_ar":
+        a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
+        partial = a @ w
+        comm = lambda: dist.all_reduce(partial)                           # noqa: E731
+
+        def plain():
+            out = a @ w
+            dist.all_reduce(out)
+            return out
+        gemm = lambda: a @ w                                               # noqa: E731
     else:
         a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
         w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
@@ -92,10 +105,11 @@ def measure(op, shape, tp, fused, iters):
             tp.overlap = mode
             return getattr(tp, op)(a, w)
         return call
-    fused_op = fused[0] if op == "ag_gemm" else fused[1]
+    fused_op = {"ag_gemm": fused[0], "gemm_rs": fused[1]}.get(op)
+    paths = ("fused",) if op == "gemm_ar" else ("fused", "chunked")
     row = {"op": op, "M": m, "K": k, "N": n}
     expected = plain().float()
-    for path in ("fused", "chunked"):
+    for path in paths:
         try:
             row[f"{path}_max_abs_diff"] = (with_overlap(path)().float() - expected).abs().max().item()
         except Exception as e:
@@ -112,8 +126,8 @@ def measure(op, shape, tp, fused, iters):
         row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
     except Exception as e:
         row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("fused_us", with_overlap("fused")),
-               ("chunked_us", with_overlap("chunked")), ("auto_us", with_overlap("auto"))]
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain),
+               *((f"{path}_us", with_overlap(path)) for path in paths), ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
     for key, fn in timings:
@@ -125,7 +139,7 @@ def measure(op, shape, tp, fused, iters):
     for key in ("fused_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
-    ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row[key], float)]
+    ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row.get(key), float)]
     if ours and all(isinstance(row[key], float) for key in ("plain_us", "comm_us", "gemm_us")):
         row["overlap_efficiency"] = (row["plain_us"] - min(ours)) / min(row["comm_us"], row["gemm_us"])
     predicted = predicted_us(op, m, local_k, local_n, world)
@@ -149,8 +163,8 @@ def main():
     tp = AsyncTP(max_rows, max_features)
     fused, meta["torch_symm_mem_backend"] = torch_fused_ops()
     rows = []
-    for op in ("ag_gemm", "gemm_rs"):
-        for shape in SHAPES:
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        for shape in (s for s in SHAPES if op != "gemm_ar" or s[0] <= DECODE_ROWS):
             rows.append(measure(op, shape, tp, fused, args.iters))
             if rank == 0:                  # written as they come: a cut run keeps what it measured
                 print(json.dumps(rows[-1]), flush=True)

@@ -23,10 +23,13 @@ slowest rank (an all-reduce MAX, so that every rank picks the same path) and kee
 for every later call of that shape. The cost model below only orders the candidates and leaves
 out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
-cost. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
+cost. That first call synchronizes the device: make it before capturing a CUDA graph. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
 with gloo too).
 
-``gemm_ar`` (row-parallel without sequence parallelism: decode) is cuBLAS, then an NCCL all-reduce.
+``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
+an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
+peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
+M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
 
 The ops are differentiable (``AllGatherGemm``, ``GemmReduceScatter``, ``GemmAllReduce``, at the
 end): the input gradient of each of the first two is the other op, on the same object and paths.
@@ -46,6 +49,7 @@ import triton
 
 from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
+from .kernels import gemm_ar as ar_kernels
 from .kernels import gemm_rs as rs_kernels
 from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
 from .timing import median_us
@@ -62,26 +66,33 @@ LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per dir
 HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
 OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
 
-HOPELESS = 1.5           # a path predicted this much slower than the best prediction is not timed: wide
-                         # enough for unmeasured constants, narrow enough that the launches and the
-                         # barrier of an overlapped call rule it out on small shapes
-MEASURE_WARMUP = 1       # untimed calls of each candidate (the first compiles the Triton kernels)
-MEASURE_ITERS = 3        # timed calls of each candidate; the median counts
+HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
+                          # enough for unmeasured constants, narrow enough that the launches and the
+                          # barrier of an overlapped call rule it out on small shapes
+MEASURE_WARMUP = 1        # untimed calls of each candidate (the first compiles the Triton kernels)
+MEASURE_ITERS = 3         # timed calls of each candidate; the median counts
 
 _MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
 
 
 def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
     """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
-    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered).
+    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered; "gemm_ar":
+    it is all-reduced, which has no chunked path).
 
         never    gemm + link                           one after the other
         fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
         chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
                  (+ one elementwise pass over the W partials for gemm_rs)
+
+    link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
+    [M, N] through NCCL's ring, and all W-1 peers' [M, N] partials for the fused one-shot kernel.
     """
     gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
-    link = (world - 1) / world * m * (k if op == "ag_gemm" else n) * element_size / (LINK_GBPS * 1e3)
+    row_bytes = (k if op == "ag_gemm" else n) * element_size
+    link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
+    if op == "gemm_ar":
+        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, world * link) + OVERHEAD_US}
     reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
     return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
             "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
@@ -117,7 +128,7 @@ class AsyncTP(runtime.CommObject):
         timeout_s: bound of every device-side wait.
     """
 
-    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS}
+    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
@@ -164,7 +175,9 @@ class AsyncTP(runtime.CommObject):
 
     def _allocate(self, symmetric_zeros, programs: int) -> None:
         """Symmetric buffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size
-        (the same on every rank)."""
+        (the same on every rank). gathered [M, K] and ag_flags [W]: the all-gather GEMM's; partials
+        [W, M/W, N] and rs_flags [W, tiles]: the GEMM reduce-scatter's, and the GEMM all-reduce's
+        ([W, M', N] and [W, tiles] for its M' <= M/W rows)."""
         W, elements = self.world, self.max_rows * self.max_features
         tiles = triton.cdiv(self.max_rows // W, _MIN_TILE[0]) * triton.cdiv(self.max_features, _MIN_TILE[1])
         shapes = {"gathered": ((elements,), self.dtype), "ag_flags": ((W,), torch.int64),
@@ -352,12 +365,40 @@ class AsyncTP(runtime.CommObject):
     def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         self._raise_if_failed()
         self._check_operands("gemm_ar", a, w)
-        self._check_bounds("gemm_ar", a.shape[0], "N", w.shape[1])
+        m, k = a.shape
+        n = w.shape[1]
+        self._check_bounds("gemm_ar", m, "N", n)
         if self.backend == "reference":
             return reference.gemm_ar(a, w, self.group)
-        out = a @ w
-        dist.all_reduce(out, group=self.group)
+        fits = m * self.world <= self.max_rows
+        path = self._path("gemm_ar", m, k, n, lambda p: self._gemm_ar_on(p, a, w)) if fits else "never"
+        return self._gemm_ar_on(path, a, w)
+
+    def _gemm_ar_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
+        if path != "fused" or m * self.world > self.max_rows:
+            out = a @ w
+            dist.all_reduce(out, group=self.group)
+            return out
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        config = tile_config(m, n, a.element_size())
+        self._start("rs_flags", self.world * self._ar_tiles(m, n, config))
+        self._ar_launch(a, w, out, config, publish=True, reduce=True)
         return out
+
+    def _ar_tiles(self, m: int, n: int, config: dict) -> int:
+        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    def _ar_launch(self, a, w, out, config, publish: bool, reduce: bool) -> None:
+        """The GEMM all-reduce kernel: each tile's publishing half, reducing half, or both (the GPU)."""
+        m, k = a.shape
+        n = w.shape[1]
+        programs = min(self._programs, self._ar_tiles(m, n, config))
+        ar_kernels.gemm_ar_kernel[(programs,)](
+            a, w, out, self._symmetric["partials"], self._peers["partials"], self._symmetric["rs_flags"],
+            self._peers["rs_flags"], self._state, self._status.data_ptr(), m, n, k, self.rank, self.world,
+            int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1), programs,
+            EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish, REDUCE=reduce, **config)
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])

@@ -45,6 +45,13 @@ def _kernels_match_reference(rank, world, path):
                 a_full, w = operands(rank, world, world * rows, k, n, dtype, transposed, seed)
                 close(tp.gemm_rs(a_full, w), reference.gemm_rs(a_full, w), dtype,
                       lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
+
+                out = tp.gemm_ar(a, w)           # M = rows: within max_rows / W, where "fused" runs the kernel
+                close(out, reference.gemm_ar(a, w), dtype,
+                      lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
+                every = [torch.empty_like(out) for _ in range(world)]
+                dist.all_gather(every, out)
+                assert all(torch.equal(o, out) for o in every), f"{path} gemm_ar: the ranks' sums differ"
         tp.check()
         tp.destroy()
 
@@ -55,7 +62,7 @@ def _repeated_calls_and_the_fallback(rank, world):
     for call in range(30):                       # fresh inputs each call, buffers and flags reused
         a, w = operands(rank, world, rows, k, n, dtype, call % 2 == 1, seed=1000 + call)
         a_full, _ = operands(rank, world, world * rows, k, n, dtype, False, seed=2000 + call)
-        ag_ref, rs_ref = reference.ag_gemm(a, w), reference.gemm_rs(a_full, w)
+        ag_ref, rs_ref, ar_ref = reference.ag_gemm(a, w), reference.gemm_rs(a_full, w), reference.gemm_ar(a, w)
         for path, tp in paths.items():
             if rank == call % world:
                 torch.cuda._sleep(1_000_000)     # a straggler must not see stale shards or partials
@@ -64,6 +71,7 @@ def _repeated_calls_and_the_fallback(rank, world):
                 assert torch.equal(out, ag_ref), "the fallback is the plain path"
             close(out, ag_ref, dtype, lambda m: f"{path} ag_gemm call {call}: {m}")
             close(tp.gemm_rs(a_full, w), rs_ref, dtype, lambda m: f"{path} gemm_rs call {call}: {m}")
+            close(tp.gemm_ar(a, w), ar_ref, dtype, lambda m: f"{path} gemm_ar call {call}: {m}")
     for tp in paths.values():
         tp.check()
 
