@@ -8,6 +8,8 @@ Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores th
   GEMM-AR  a [M, K/tp] @ w [K/tp, N] -> [M, N]            (row-parallel, all rows: decode, M <= 512 only)
 For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
+  triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
+              = gemm / triton; the fused path cannot win where this falls much below 1
   plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce): the baseline
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference, runtime
+from moe_ep.kernels.matmul import matmul, tile_config
 from moe_ep.tp import predicted_us
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
@@ -126,7 +129,10 @@ def measure(op, shape, tp, fused, iters):
         row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
     except Exception as e:
         row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain),
+    gemm_a = gathered if op == "ag_gemm" else a
+    config = tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)     # the fused kernel's tiles
+    triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("plain_us", plain),
                *((f"{path}_us", with_overlap(path)) for path in paths), ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
@@ -139,6 +145,8 @@ def measure(op, shape, tp, fused, iters):
     for key in ("fused_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
+    if all(isinstance(row.get(key), float) for key in ("triton_us", "gemm_us")):
+        row["triton_vs_cublas"] = row["gemm_us"] / row["triton_us"]
     ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row.get(key), float)]
     if ours and all(isinstance(row[key], float) for key in ("plain_us", "comm_us", "gemm_us")):
         row["overlap_efficiency"] = (row["plain_us"] - min(ours)) / min(row["comm_us"], row["gemm_us"])
@@ -147,7 +155,8 @@ def measure(op, shape, tp, fused, iters):
     return row
 
 
-COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
+COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "plain_us",
+           "torch_us", "fused_us", "chunked_us", "auto_us",
            "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
            "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import tile_config
+from moe_ep.kernels.matmul import matmul, tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -193,3 +193,18 @@ def test_all_reduce_partials_that_never_land_time_out():
     ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
+
+
+# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_tp.py holds against cuBLAS)
+MATMUL_CASES = [(150, 64, 300, torch.float32, False), (70, 40, 130, torch.float32, True),
+                (1, 48, 20, torch.float32, False), (33, 64, 96, torch.float16, True)]
+
+
+@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
+def test_matmul(case):
+    m, k, n, dtype, transposed = MATMUL_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    w = weights(1, k, n, dtype, transposed, seed=40 + case)[0]
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(matmul(a, w, programs=3).double(), a.double() @ w.double(), rtol=tol, atol=tol)
