@@ -23,8 +23,8 @@ slowest rank (an all-reduce MAX, so that every rank picks the same path) and kee
 for every later call of that shape. The cost model below only orders the candidates and leaves
 out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
-cost. That first call synchronizes the device: make it before capturing a CUDA graph. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
-with gloo too).
+cost. That first call synchronizes the device: make it before capturing a CUDA graph.
+``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
 
 ``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
 an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
@@ -116,11 +116,12 @@ def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str,
 
 
 class AsyncTP(runtime.CommObject):
-    """All-gather GEMM and GEMM reduce-scatter over one process group (collective constructor).
+    """All-gather GEMM, GEMM reduce-scatter and GEMM all-reduce over one process group (collective
+    constructor).
 
     Args:
         max_rows: most rows M of any call (the gathered A, the un-scattered output).
-        max_features: most K of an ag_gemm call and most N of a gemm_rs call.
+        max_features: most K of an ag_gemm call and most N of a gemm_rs or gemm_ar call.
         group: the process group (NVSHMEM backend: the whole default group).
         dtype: dtype of every operand and output (bfloat16, float16 or float32).
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
@@ -208,7 +209,7 @@ class AsyncTP(runtime.CommObject):
 
     def _check_bounds(self, op: str, m: int, name: str, features: int) -> None:
         """ValueError naming the bound of the constructor that a call's M (rows, all ranks) or
-        `name` = K (all-gather) / N (reduce-scatter) exceeds."""
+        `name` = K (all-gather) / N (reduce-scatter, all-reduce) exceeds."""
         for what, value, bound in (("M", m, "max_rows"), (name, features, "max_features")):
             if value > getattr(self, bound):
                 raise ValueError(f"{op}: {what}={value} exceeds this AsyncTP's {bound}={getattr(self, bound)}; "
@@ -354,8 +355,9 @@ class AsyncTP(runtime.CommObject):
 
     def gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N], the sum over ranks
-        of a @ w, the same on every rank: cuBLAS, then an NCCL all-reduce (which sums in the dtype;
-        the reference backend sums in fp32).
+        of a @ w, the same on every rank. "fused" (M <= max_rows / W) sums the partials rounded to
+        the dtype in fp32, as the reference backend does; the plain path is cuBLAS, then an NCCL
+        all-reduce, which sums in the dtype.
 
         Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
         if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
