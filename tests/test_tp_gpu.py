@@ -49,9 +49,10 @@ def _kernels_match_reference(rank, world, path):
                 out = tp.gemm_ar(a, w)           # M = rows: within max_rows / W, where "fused" runs the kernel
                 close(out, reference.gemm_ar(a, w), dtype,
                       lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
-                every = [torch.empty_like(out) for _ in range(world)]
-                dist.all_gather(every, out)
-                assert all(torch.equal(o, out) for o in every), f"{path} gemm_ar: the ranks' sums differ"
+                if path == "fused":              # the kernel sums in the same order on every rank
+                    every = [torch.empty_like(out) for _ in range(world)]
+                    dist.all_gather(every, out)
+                    assert all(torch.equal(o, out) for o in every), "fused gemm_ar: the ranks' sums differ"
         tp.check()
         tp.destroy()
 
