@@ -5,47 +5,67 @@
 Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores them (w = weight.t()):
   AG-GEMM  a_shard [M/tp, K] @ w [K, N/tp] -> [M, N/tp]   (column-parallel, sequence-parallel input)
   GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
+  GEMM-AR  a [M, K/tp] @ w [K/tp, N] -> [M, N]            (row-parallel, all rows: decode, M <= 512 only)
 For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
-  plain       NCCL then cuBLAS (or the reverse), nothing overlapped: the baseline
+  triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
+              = gemm / triton; the fused path cannot win where this falls much below 1
+  plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce): the baseline
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
-  chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers)
-  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice)
+  chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
+  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
+              its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
+              host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
 perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
-Writes tp.json and tp.md under --out; rank 0 prints the table.
+Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
+says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where this torch has it).
 """
 import json
 import os
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference, runtime
+from moe_ep.kernels.matmul import matmul, tile_config
 from moe_ep.tp import predicted_us
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
-SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336)]
+# prefill (a-d), then decode (M = 128 and 512 tokens)
+SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
+          (128, 8192, 28672), (512, 8192, 28672)]
+DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
 
 
 def torch_fused_ops():
-    """PyTorch's fused ops on the default group (None where this torch has none)."""
+    """PyTorch's fused ops on the default group ((None, None) where this torch has none), and the
+    symmetric-memory allocator they were set up with ("CUDA", or this torch's default where it has
+    no CUDA allocator: some builds register only NVSHMEM's)."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
-        return None, None
+        return (None, None), "none"
     name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "set_backend"):    # PyTorch's own allocator: NVSHMEM belongs to moe_ep in this process
-        symm_mem.set_backend("CUDA")
+    backend = "default"
+    if hasattr(symm_mem, "set_backend"):    # PyTorch's own allocator where it has one: NVSHMEM is moe_ep's here
+        try:
+            symm_mem.set_backend("CUDA")
+            backend = "CUDA"
+        except RuntimeError as e:
+            backend = f"default (set_backend('CUDA'): {str(e).splitlines()[0][:80]})"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(name)
+    if hasattr(symm_mem, "get_backend"):
+        backend += f", get_backend: {symm_mem.get_backend(torch.device('cuda', torch.cuda.current_device()))}"
     ops = torch.ops.symm_mem
     return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
-            lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name))
+            lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
 
 
 def measure(op, shape, tp, fused, iters):
@@ -59,6 +79,17 @@ def measure(op, shape, tp, fused, iters):
         comm = lambda: dist.all_gather_into_tensor(gathered, a)          # noqa: E731
         gemm = lambda: gathered @ w                                        # noqa: E731
         plain = lambda: reference.ag_gemm(a, w)                            # noqa: E731
+    elif op == "gemm_ar":
+        a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
+        partial = a @ w
+        comm = lambda: dist.all_reduce(partial)                           # noqa: E731
+
+        def plain():
+            out = a @ w
+            dist.all_reduce(out)
+            return out
+        gemm = lambda: a @ w                                               # noqa: E731
     else:
         a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
         w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()
@@ -77,16 +108,32 @@ def measure(op, shape, tp, fused, iters):
             tp.overlap = mode
             return getattr(tp, op)(a, w)
         return call
-    fused_op = fused[0] if op == "ag_gemm" else fused[1]
+    fused_op = {"ag_gemm": fused[0], "gemm_rs": fused[1]}.get(op)
+    paths = ("fused",) if op == "gemm_ar" else ("fused", "chunked")
     row = {"op": op, "M": m, "K": k, "N": n}
     expected = plain().float()
-    for path in ("fused", "chunked"):
+    for path in paths:
         try:
             row[f"{path}_max_abs_diff"] = (with_overlap(path)().float() - expected).abs().max().item()
         except Exception as e:
             row[f"{path}_max_abs_diff"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    timings = [("comm_us", comm), ("gemm_us", gemm), ("plain_us", plain), ("fused_us", with_overlap("fused")),
-               ("chunked_us", with_overlap("chunked")), ("auto_us", with_overlap("auto"))]
+    local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        with_overlap("auto")()
+        torch.cuda.synchronize()
+        row["auto_first_call_ms"] = (time.perf_counter() - start) * 1e3
+        choice = tp.choices[(op, m, local_k, local_n)]
+        row["auto_path"] = choice["path"]
+        row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
+    except Exception as e:
+        row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    gemm_a = gathered if op == "ag_gemm" else a
+    config = tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)     # the fused kernel's tiles
+    triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("plain_us", plain),
+               *((f"{path}_us", with_overlap(path)) for path in paths), ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
     for key, fn in timings:
@@ -98,19 +145,20 @@ def measure(op, shape, tp, fused, iters):
     for key in ("fused_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
-    ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row[key], float)]
+    if all(isinstance(row.get(key), float) for key in ("triton_us", "gemm_us")):
+        row["triton_vs_cublas"] = row["gemm_us"] / row["triton_us"]
+    ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row.get(key), float)]
     if ours and all(isinstance(row[key], float) for key in ("plain_us", "comm_us", "gemm_us")):
         row["overlap_efficiency"] = (row["plain_us"] - min(ours)) / min(row["comm_us"], row["gemm_us"])
-    local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
-    tp.overlap = "auto"
-    row["auto_path"] = tp._path(op, m, local_k, local_n)
     predicted = predicted_us(op, m, local_k, local_n, world)
     row.update({f"predicted_{path}_us": t for path, t in predicted.items()})
     return row
 
 
-COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "plain_us", "torch_us", "fused_us", "chunked_us", "auto_us",
+COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "plain_us",
+           "torch_us", "fused_us", "chunked_us", "auto_us",
            "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
+           "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
            "chunked_max_abs_diff"]
 
@@ -122,10 +170,10 @@ def main():
     max_rows = max(m for m, _, _ in SHAPES)
     max_features = max(max(k, n) for _, k, n in SHAPES)
     tp = AsyncTP(max_rows, max_features)
-    fused = torch_fused_ops()
+    fused, meta["torch_symm_mem_backend"] = torch_fused_ops()
     rows = []
-    for op in ("ag_gemm", "gemm_rs"):
-        for shape in SHAPES:
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        for shape in (s for s in SHAPES if op != "gemm_ar" or s[0] <= DECODE_ROWS):
             rows.append(measure(op, shape, tp, fused, args.iters))
             if rank == 0:                  # written as they come: a cut run keeps what it measured
                 print(json.dumps(rows[-1]), flush=True)

@@ -24,6 +24,8 @@ Tensor-parallel contract (``moe_ep.tp``), tp ranks, rows split in rank order, w 
     ag_gemm(a_shard [M/tp, K], w [K, N]) = all_gather(a_shard) @ w                       -> [M, N]
     gemm_rs(a [M, K], w [K, N])          = reduce_scatter(a @ w): the partials a @ w in
                                            a's dtype, summed over ranks in fp32, cast back -> [M/tp, N]
+    gemm_ar(a [M, K], w [K, N])          = all_reduce(a @ w): the same partials and sum,
+                                           every row on every rank                         -> [M, N]
 """
 from __future__ import annotations
 
@@ -206,3 +208,10 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=torch.float32, device=a.device)
     dist.reduce_scatter_tensor(out, partial, group=group)
     return out.to(a.dtype)
+
+
+def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
+    """(a [M, K] @ w [K, N]) in a's dtype, summed over ranks in fp32 -> [M, N] on every rank."""
+    partial = (a @ w).float()
+    dist.all_reduce(partial, group=group)
+    return partial.to(a.dtype)

@@ -3,6 +3,7 @@
     tp = AsyncTP(max_rows=16384, max_features=28672)     # collective, once per process group
     out = tp.ag_gemm(a_shard, w)      # a_shard [M/W, K], w [K, N]   -> all_gather(a_shard) @ w   [M, N]
     out = tp.gemm_rs(a, w)            # a [M, K], w [K, N]           -> reduce_scatter(a @ w)     [M/W, N]
+    out = tp.gemm_ar(a, w)            # a [M, K], w [K, N]           -> all_reduce(a @ w)         [M, N]
 
 W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
 w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
@@ -16,10 +17,22 @@ Each call takes one of three paths (``overlap``):
   - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
-``overlap="auto"`` (the default) takes the path the cost model below predicts fastest, and an
-overlapped one only where it predicts a gain of 5% or more, so that a call is not slower than
-the plain path. ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU
-with gloo too).
+``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
+fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
+slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
+for every later call of that shape. The cost model below only orders the candidates and leaves
+out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+``choices`` holds each decision: the path, the times it was chosen by, and what the first call
+cost. That first call synchronizes the device: make it before capturing a CUDA graph.
+``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
+
+``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
+an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
+peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
+M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
+
+The ops are differentiable (``AllGatherGemm``, ``GemmReduceScatter``, ``GemmAllReduce``, at the
+end): the input gradient of each of the first two is the other op, on the same object and paths.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel):
 buffers are reused from call to call, and a peer may write into them only once this rank is
@@ -28,6 +41,7 @@ done with the previous call. Calls must be made in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,46 +49,79 @@ import triton
 
 from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
+from .kernels import gemm_ar as ar_kernels
 from .kernels import gemm_rs as rs_kernels
 from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
+from .timing import median_us
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): predictions, to be replaced by what
-# benchmarks/bench_tp.py measures.
+# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
+# hopeless ones; the choice itself is measured (AsyncTP._path).
 CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
 TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
 LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
 HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
 OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
 
+HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
+                          # enough for unmeasured constants, narrow enough that the launches and the
+                          # barrier of an overlapped call rule it out on small shapes
+MEASURE_WARMUP = 1        # untimed calls of each candidate (the first compiles the Triton kernels)
+MEASURE_ITERS = 3         # timed calls of each candidate; the median counts
+
 _MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
 
 
 def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
     """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
-    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered).
+    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered; "gemm_ar":
+    it is all-reduced, which has no chunked path).
 
         never    gemm + link                           one after the other
         fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
         chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
                  (+ one elementwise pass over the W partials for gemm_rs)
+
+    link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
+    [M, N] through NCCL's ring, and all W-1 peers' [M, N] partials for the fused one-shot kernel.
     """
     gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
-    link = (world - 1) / world * m * (k if op == "ag_gemm" else n) * element_size / (LINK_GBPS * 1e3)
+    row_bytes = (k if op == "ag_gemm" else n) * element_size
+    link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
+    if op == "gemm_ar":
+        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, world * link) + OVERHEAD_US}
     reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
     return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
             "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
 
 
+def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> list[str]:
+    """The paths overlap="auto" times for this shape, fastest predicted first: "never" always, an
+    overlapped path where predicted_us puts it within HOPELESS of the best prediction."""
+    times = predicted_us(op, m, k, n, world, element_size)
+    best = min(times.values())
+    return sorted((path for path, t in times.items() if path == "never" or t <= HOPELESS * best), key=times.get)
+
+
+def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str, dict[str, float]]:
+    """Time each candidate on this rank (`time_us(path)` -> microseconds), keep each one's time on
+    its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
+    which calls this collectively with the same candidates in the same order."""
+    times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
+
+
 class AsyncTP(runtime.CommObject):
-    """All-gather GEMM and GEMM reduce-scatter over one process group (collective constructor).
+    """All-gather GEMM, GEMM reduce-scatter and GEMM all-reduce over one process group (collective
+    constructor).
 
     Args:
         max_rows: most rows M of any call (the gathered A, the un-scattered output).
-        max_features: most K of an ag_gemm call and most N of a gemm_rs call.
+        max_features: most K of an ag_gemm call and most N of a gemm_rs or gemm_ar call.
         group: the process group (NVSHMEM backend: the whole default group).
         dtype: dtype of every operand and output (bfloat16, float16 or float32).
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
@@ -82,7 +129,7 @@ class AsyncTP(runtime.CommObject):
         timeout_s: bound of every device-side wait.
     """
 
-    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS}
+    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
@@ -123,10 +170,15 @@ class AsyncTP(runtime.CommObject):
         self.backend, self.overlap, self.timeout_s = backend, overlap, timeout_s
         self._symmetric: dict[str, torch.Tensor] = {}
         self._broken: str | None = None
+        # (op, M, K, N) -> {"path", "times_us": {path: us on the slowest rank}, "first_call_ms": host
+        # time spent choosing} for overlap="auto"; filled by the first call of each shape
+        self.choices: dict[tuple, dict] = {}
 
     def _allocate(self, symmetric_zeros, programs: int) -> None:
         """Symmetric buffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size
-        (the same on every rank)."""
+        (the same on every rank). gathered [M, K] and ag_flags [W]: the all-gather GEMM's; partials
+        [W, M/W, N] and rs_flags [W, tiles]: the GEMM reduce-scatter's, and the GEMM all-reduce's
+        ([W, M', N] and [W, tiles] for its M' <= M/W rows)."""
         W, elements = self.world, self.max_rows * self.max_features
         tiles = triton.cdiv(self.max_rows // W, _MIN_TILE[0]) * triton.cdiv(self.max_features, _MIN_TILE[1])
         shapes = {"gathered": ((elements,), self.dtype), "ag_flags": ((W,), torch.int64),
@@ -155,28 +207,59 @@ class AsyncTP(runtime.CommObject):
         if a.shape[1] != w.shape[0]:
             raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
 
-    def _path(self, op: str, m: int, k: int, n: int) -> str:
-        """"never", "fused" or "chunked" for this call (see the module docstring)."""
+    def _check_bounds(self, op: str, m: int, name: str, features: int) -> None:
+        """ValueError naming the bound of the constructor that a call's M (rows, all ranks) or
+        `name` = K (all-gather) / N (reduce-scatter, all-reduce) exceeds."""
+        for what, value, bound in (("M", m, "max_rows"), (name, features, "max_features")):
+            if value > getattr(self, bound):
+                raise ValueError(f"{op}: {what}={value} exceeds this AsyncTP's {bound}={getattr(self, bound)}; "
+                                 f"construct it with {bound} >= {value}")
+
+    def _path(self, op: str, m: int, k: int, n: int, run) -> str:
+        """"never", "fused" or "chunked" for this call (see the module docstring). Under overlap="auto"
+        the first call of a shape runs `run(path)` (the op on this call's operands, result dropped)
+        for each candidate: collective, as every call."""
         if self.backend == "reference" or m == 0 or n == 0:
             return "never"
         if self.overlap != "auto":
             return self.overlap
-        times = predicted_us(op, m, k, n, self.world, self.dtype.itemsize)
-        best = min(("fused", "chunked"), key=times.get)
-        return best if times[best] * 1.05 <= times["never"] else "never"
+        key = (op, m, k, n)
+        if key not in self.choices:
+            start = time.perf_counter()
+            candidates = candidate_paths(op, m, k, n, self.world, self.dtype.itemsize)
+            path, times = "never", {}
+            if len(candidates) > 1:
+                path, times = measured_choice(candidates, lambda p: self._time_us(lambda: run(p)), self.group,
+                                              self.device)
+            self.choices[key] = {"path": path, "times_us": times,
+                                 "first_call_ms": (time.perf_counter() - start) * 1e3}
+        return self.choices[key]["path"]
+
+    def _time_us(self, fn) -> float:
+        return median_us(fn, MEASURE_ITERS, MEASURE_WARMUP)
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
     def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
-        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked)."""
+        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked).
+
+        Differentiable (``AllGatherGemm``): the gradient of a_shard is a GEMM reduce-scatter."""
+        if torch.is_grad_enabled() and (a_shard.requires_grad or w.requires_grad):
+            return AllGatherGemm.apply(a_shard, w, self._ag_gemm, self._gemm_rs, return_gathered)
+        return self._ag_gemm(a_shard, w, return_gathered)
+
+    def _ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
         self._raise_if_failed()
         self._check_operands("ag_gemm", a_shard, w)
         rows, k = a_shard.shape
         m, n = rows * self.world, w.shape[1]
-        if m > self.max_rows or k > self.max_features:
-            raise ValueError(f"ag_gemm: M={m}, K={k} exceed this AsyncTP's max_rows={self.max_rows} / "
-                             f"max_features={self.max_features}")
-        path = self._path("ag_gemm", m, k, n)
+        self._check_bounds("ag_gemm", m, "K", k)
+        path = self._path("ag_gemm", m, k, n, lambda p: self._ag_gemm_on(p, a_shard, w, False))
+        return self._ag_gemm_on(path, a_shard, w, return_gathered)
+
+    def _ag_gemm_on(self, path: str, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool):
+        rows, k = a_shard.shape
+        m = rows * self.world
         if path == "never":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
         self._start("ag_flags", self.world)
@@ -233,19 +316,28 @@ class AsyncTP(runtime.CommObject):
     def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
         of the sum over ranks of a @ w). The overlapped paths sum the partials in fp32; the plain
-        path reduces in the dtype, as NCCL does (the same result for two ranks)."""
+        path reduces in the dtype, as NCCL does (the same result for two ranks).
+
+        Differentiable (``GemmReduceScatter``): the gradient of a is an all-gather GEMM."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmReduceScatter.apply(a, w, self._gemm_rs, self._ag_gemm)
+        return self._gemm_rs(a, w)
+
+    def _gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         self._raise_if_failed()
         self._check_operands("gemm_rs", a, w)
         m, k = a.shape
         n = w.shape[1]
         if m % self.world:
             raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
-        if m > self.max_rows or n > self.max_features:
-            raise ValueError(f"gemm_rs: M={m}, N={n} exceed this AsyncTP's max_rows={self.max_rows} / "
-                             f"max_features={self.max_features}")
+        self._check_bounds("gemm_rs", m, "N", n)
         if self.backend == "reference":
             return reference.gemm_rs(a, w, self.group)
-        path = self._path("gemm_rs", m, k, n)
+        path = self._path("gemm_rs", m, k, n, lambda p: self._gemm_rs_on(p, a, w))
+        return self._gemm_rs_on(path, a, w)
+
+    def _gemm_rs_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "never":
             dist.reduce_scatter_tensor(out, a @ w, group=self.group)
@@ -258,6 +350,57 @@ class AsyncTP(runtime.CommObject):
             self._rs_send_chunked(a, w)
             self._rs_reduce_chunked(a, w, out)
         return out
+
+    # ------------------------------------------------------------------------------------ GEMM all-reduce
+
+    def gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N], the sum over ranks
+        of a @ w, the same on every rank. "fused" (M <= max_rows / W) sums the partials rounded to
+        the dtype in fp32, as the reference backend does; the plain path is cuBLAS, then an NCCL
+        all-reduce, which sums in the dtype.
+
+        Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmAllReduce.apply(a, w, self._gemm_ar)
+        return self._gemm_ar(a, w)
+
+    def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        self._raise_if_failed()
+        self._check_operands("gemm_ar", a, w)
+        m, k = a.shape
+        n = w.shape[1]
+        self._check_bounds("gemm_ar", m, "N", n)
+        if self.backend == "reference":
+            return reference.gemm_ar(a, w, self.group)
+        fits = m * self.world <= self.max_rows
+        path = self._path("gemm_ar", m, k, n, lambda p: self._gemm_ar_on(p, a, w)) if fits else "never"
+        return self._gemm_ar_on(path, a, w)
+
+    def _gemm_ar_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
+        if path != "fused" or m * self.world > self.max_rows:
+            out = a @ w
+            dist.all_reduce(out, group=self.group)
+            return out
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        config = tile_config(m, n, a.element_size())
+        self._start("rs_flags", self.world * self._ar_tiles(m, n, config))
+        self._ar_launch(a, w, out, config, publish=True, reduce=True)
+        return out
+
+    def _ar_tiles(self, m: int, n: int, config: dict) -> int:
+        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    def _ar_launch(self, a, w, out, config, publish: bool, reduce: bool) -> None:
+        """The GEMM all-reduce kernel: each tile's publishing half, reducing half, or both (the GPU)."""
+        m, k = a.shape
+        n = w.shape[1]
+        programs = min(self._programs, self._ar_tiles(m, n, config))
+        ar_kernels.gemm_ar_kernel[(programs,)](
+            a, w, out, self._symmetric["partials"], self._peers["partials"], self._symmetric["rs_flags"],
+            self._peers["rs_flags"], self._state, self._status.data_ptr(), m, n, k, self.rank, self.world,
+            int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1), programs,
+            EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish, REDUCE=reduce, **config)
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
@@ -332,3 +475,102 @@ class AsyncTP(runtime.CommObject):
             runtime.stream_write_value(address, 1, torch.cuda.current_stream())
         else:
             self._views[name][peer][index] = 1
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+class AllGatherGemm(torch.autograd.Function):
+    """out [M, N] = all_gather(a_shard [M/W, K]) @ w [K, N] (and the gathered A [M, K] if asked), with
+
+        grad a_shard = reduce_scatter(grad_out @ w.T)     a GEMM reduce-scatter, overlapped as the forward is
+        grad w       = all_gather(a_shard).T @ grad_out   the gathered A, kept from the forward
+
+    ``ag(a_shard, w, return_gathered=...)`` and ``rs(a, w)`` are the two non-differentiable ops
+    (an AsyncTP's, or ``moe_ep.reference``'s on a process group). The gathered A is kept only when
+    w needs a gradient; grad_out is made contiguous (the ops take row-major activations).
+    """
+
+    @staticmethod
+    def forward(ctx, a_shard, w, ag, rs, return_gathered: bool = False):
+        keep = ctx.needs_input_grad[1]
+        if keep or return_gathered:
+            out, gathered = ag(a_shard, w, return_gathered=True)
+        else:
+            out, gathered = ag(a_shard, w), None
+        ctx.save_for_backward(gathered if keep else None, w)
+        ctx.rs = rs
+        if return_gathered:
+            ctx.mark_non_differentiable(gathered)
+            return out, gathered
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        gathered, w = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_a = ctx.rs(grad_out, w.t()) if ctx.needs_input_grad[0] else None
+        grad_w = gathered.t() @ grad_out if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None, None, None
+
+
+class GemmReduceScatter(torch.autograd.Function):
+    """out [M/W, N] = reduce_scatter(a [M, K] @ w [K, N]), with
+
+        grad a = all_gather(grad_out) @ w.T               an all-gather GEMM, overlapped as the forward is
+        grad w = a.T @ all_gather(grad_out)               the gathered grad_out that GEMM hands back
+
+    ``rs(a, w)`` and ``ag(a_shard, w, return_gathered=...)`` as in ``AllGatherGemm``.
+    """
+
+    @staticmethod
+    def forward(ctx, a, w, rs, ag):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
+        ctx.ag = ag
+        return rs(a, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, w = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if not ctx.needs_input_grad[1]:
+            return ctx.ag(grad_out, w.t()), None, None, None
+        grad_a, gathered = ctx.ag(grad_out, w.t(), return_gathered=True)
+        return (grad_a if ctx.needs_input_grad[0] else None), a.t() @ gathered, None, None
+
+
+class GemmAllReduce(torch.autograd.Function):
+    """out [M, N] = all_reduce(a [M, K] @ w [K, N]), the same on every rank, with
+
+        grad a = grad_out @ w.T,  grad w = a.T @ grad_out   no communication: every rank's grad_out
+                                                             is the gradient of the whole output
+
+    ``ar(a, w)`` is the non-differentiable op (an AsyncTP's, or ``moe_ep.reference.gemm_ar``).
+    """
+
+    @staticmethod
+    def forward(ctx, a, w, ar):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
+        return ar(a, w)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, w = ctx.saved_tensors
+        grad_a = grad_out @ w.t() if ctx.needs_input_grad[0] else None
+        grad_w = a.t() @ grad_out if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None
+
+
+class AllReduceGrad(torch.autograd.Function):
+    """x unchanged; its gradient summed over the group's ranks: the input of a column-parallel layer
+    without sequence parallelism, whose every rank's output depends on the whole, replicated x."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -3,10 +3,10 @@
 Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensors; its peer
 views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
-then every rank's pushes (all-gather) or sends (reduce-scatter), then every rank's GEMM or own
-tiles. Both overlapped paths run: "fused" (the persistent Triton GEMMs) and "chunked" (one
-GEMM per shard, the bounded wait kernel and the reduction kernel between them). Results are
-compared with torch in float64; the kernels sum in fp32.
+then every rank's pushes (all-gather) or sends (reduce-scatter, all-reduce), then every rank's
+GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs)
+and "chunked" (one GEMM per shard, the bounded wait kernel and the reduction kernel between them).
+Results are compared with torch in float64; the kernels sum in fp32.
 """
 import os
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import tile_config
+from moe_ep.kernels.matmul import matmul, tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -144,3 +144,67 @@ def test_partials_that_never_land_time_out():
     ranks[0]._rs_reduce_chunked(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
         ranks[0].check()
+
+
+def run_gemm_ar(ranks, a, ws):
+    m, n = a[0].shape[0], ws[0].shape[1]
+    config = tile_config(m, n, a[0].element_size())
+    for tp in ranks:
+        tp._symmetric["rs_flags"].zero_()
+    outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
+    for r, tp in enumerate(ranks):                       # every tile published to every rank
+        tp._ar_launch(a[r], ws[r], outs[r], config, publish=True, reduce=False)
+    for r, tp in enumerate(ranks):                       # then the sums, which wait for the peers' tiles
+        tp._ar_launch(a[r], ws[r], outs[r], config, publish=False, reduce=True)
+    return outs
+
+
+# world, M (all rows, on every rank), K, N, dtype, w transposed
+AR_CASES = [
+    (2, 150, 64, 300, torch.float32, False),
+    (3, 70, 40, 130, torch.float32, True),
+    (2, 1, 48, 20, torch.float32, False),       # one token
+    (2, 33, 64, 96, torch.float16, True),       # (the interpreter computes bf16 dots wrongly; fp16 stands in)
+]
+
+
+@pytest.mark.parametrize("case", range(len(AR_CASES)))
+def test_gemm_all_reduce(case):
+    world, m, k, n, dtype, transposed = AR_CASES[case]
+    ranks = simulated_group(world, world * m, n, dtype)      # the fused path takes M <= max_rows / W
+    for call in range(2):
+        g = torch.Generator().manual_seed(call)
+        a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
+        ws = weights(world, k, n, dtype, transposed, seed=30 + call)
+        outs = run_gemm_ar(ranks, a, ws)
+        partials = [(a[r].double() @ ws[r].double()).to(dtype).float() for r in range(world)]
+        total = sum(partials[1:], partials[0])
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        for r, tp in enumerate(ranks):
+            torch.testing.assert_close(outs[r].double(), total.double(), rtol=tol, atol=tol)
+            assert torch.equal(outs[r], outs[0]), "every rank holds the same sum, bit for bit"
+            assert not tp._status.any()
+
+
+def test_all_reduce_partials_that_never_land_time_out():
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(4, 16), torch.randn(16, 8)
+    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
+    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
+        ranks[0].check()
+
+
+# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_tp.py holds against cuBLAS)
+MATMUL_CASES = [(150, 64, 300, torch.float32, False), (70, 40, 130, torch.float32, True),
+                (1, 48, 20, torch.float32, False), (33, 64, 96, torch.float16, True)]
+
+
+@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
+def test_matmul(case):
+    m, k, n, dtype, transposed = MATMUL_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    w = weights(1, k, n, dtype, transposed, seed=40 + case)[0]
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(matmul(a, w, programs=3).double(), a.double() @ w.double(), rtol=tol, atol=tol)

@@ -7,7 +7,7 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
-from moe_ep.tp import predicted_us
+from moe_ep.tp import candidate_paths, measured_choice, predicted_us
 
 
 def _layers_match(rank, world):
@@ -50,6 +50,100 @@ def test_tp_layers_match_unsharded(world):
     run(_layers_match, world)
 
 
+def _backward(module, x, grad_out, needs_x=True):
+    """x.grad (None unless needs_x) after (module(x) * grad_out).sum().backward(); x is detached first."""
+    x = x.detach().clone().requires_grad_(needs_x)
+    (module(x) * grad_out).sum().backward()
+    return x.grad
+
+
+def _gradients_match(rank, world, use_comm):
+    """Input, weight and bias gradients of the sharded layers against the unsharded modules (fp32).
+    Weights require grad (from_linear outside torch.no_grad); each layer is also run with a frozen
+    weight, and with an input that needs no gradient."""
+    torch.manual_seed(0)                                  # the same full modules and inputs on every rank
+    m, hidden, inner = 4 * world, 32, 16 * world
+    width = inner // world
+    mine, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * width, (rank + 1) * width)
+    comm = AsyncTP(m, max(hidden, inner), dtype=torch.float32, backend="reference") if use_comm else None
+    tight = dict(rtol=1e-5, atol=1e-5)
+
+    column, row, mlp = nn.Linear(hidden, inner), nn.Linear(inner, hidden), llama_mlp(hidden, inner)
+    x, g_hidden = torch.randn(m, hidden), torch.randn(m, hidden)
+    h, g_inner = torch.randn(m, inner), torch.randn(m, inner)
+    x_grad, h_grad, mlp_x_grad = _backward(column, x, g_inner), _backward(row, h, g_hidden), _backward(mlp, x, g_hidden)
+
+    for needs_x, needs_w in ((True, True), (True, False), (False, True)):
+        tp_column = ColumnParallelLinear.from_linear(column, comm=comm).requires_grad_(needs_w)
+        grad = _backward(tp_column, x[mine], g_inner[:, cols], needs_x)
+        if needs_x:
+            torch.testing.assert_close(grad, x_grad[mine], **tight)
+        if needs_w:
+            torch.testing.assert_close(tp_column.weight.grad, column.weight.grad[cols], **tight)
+            torch.testing.assert_close(tp_column.bias.grad, column.bias.grad[cols], **tight)
+
+        tp_row = RowParallelLinear.from_linear(row, comm=comm).requires_grad_(needs_w)
+        grad = _backward(tp_row, h[:, cols], g_hidden[mine], needs_x)
+        if needs_x:
+            torch.testing.assert_close(grad, h_grad[:, cols], **tight)
+        if needs_w:
+            torch.testing.assert_close(tp_row.weight.grad, row.weight.grad[:, cols], **tight)
+            bias_grad = tp_row.bias.grad.clone()          # this rank's rows' share of the replicated bias
+            dist.all_reduce(bias_grad)
+            torch.testing.assert_close(bias_grad, row.bias.grad, **tight)
+
+    tp_mlp = TPMLP.from_mlp(mlp, comm=comm)
+    grad = _backward(tp_mlp, x[mine].reshape(2, -1, hidden), g_hidden[mine])    # output rows flattened
+    torch.testing.assert_close(grad.reshape(-1, hidden), mlp_x_grad[mine], **tight)
+    gate_up = torch.cat([mlp.gate_proj.weight.grad[cols], mlp.up_proj.weight.grad[cols]])
+    torch.testing.assert_close(tp_mlp.gate_up_proj.weight.grad, gate_up, **tight)
+    torch.testing.assert_close(tp_mlp.down_proj.weight.grad, mlp.down_proj.weight.grad[:, cols], **tight)
+
+
+@pytest.mark.parametrize("use_comm", [False, True], ids=["group", "asynctp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_gradients_match_unsharded(world, use_comm):
+    run(_gradients_match, world, use_comm)
+
+
+def _without_sequence_parallelism(rank, world, use_comm):
+    """sequence_parallel=False: every rank holds all rows (M not a multiple of tp); outputs and the
+    gradients of inputs, weights and biases against the unsharded modules (fp32)."""
+    torch.manual_seed(0)
+    m, hidden, inner = 3, 32, 16 * world
+    cols = slice(rank * inner // world, (rank + 1) * inner // world)
+    comm = AsyncTP(4 * world, max(hidden, inner), dtype=torch.float32, backend="reference") if use_comm else None
+    tight = dict(rtol=1e-5, atol=1e-5)
+    column, row, mlp = nn.Linear(hidden, inner), nn.Linear(inner, hidden), llama_mlp(hidden, inner)
+    x, g_hidden = torch.randn(m, hidden), torch.randn(m, hidden)
+    h, g_inner = torch.randn(m, inner), torch.randn(m, inner)
+
+    tp_column = ColumnParallelLinear.from_linear(column, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_column(x), column(x)[:, cols], **tight)
+    torch.testing.assert_close(_backward(tp_column, x, g_inner[:, cols]), _backward(column, x, g_inner), **tight)
+    torch.testing.assert_close(tp_column.weight.grad, column.weight.grad[cols], **tight)
+    torch.testing.assert_close(tp_column.bias.grad, column.bias.grad[cols], **tight)
+
+    tp_row = RowParallelLinear.from_linear(row, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_row(h[:, cols]), row(h), **tight)
+    torch.testing.assert_close(_backward(tp_row, h[:, cols], g_hidden), _backward(row, h, g_hidden)[:, cols], **tight)
+    torch.testing.assert_close(tp_row.weight.grad, row.weight.grad[:, cols], **tight)
+    torch.testing.assert_close(tp_row.bias.grad, row.bias.grad, **tight)     # replicated output: the whole gradient
+
+    tp_mlp = TPMLP.from_mlp(mlp, comm=comm, sequence_parallel=False)
+    torch.testing.assert_close(tp_mlp(x), mlp(x), **tight)
+    torch.testing.assert_close(_backward(tp_mlp, x, g_hidden), _backward(mlp, x, g_hidden), **tight)
+    torch.testing.assert_close(tp_mlp.down_proj.weight.grad, mlp.down_proj.weight.grad[:, cols], **tight)
+    gate_up = torch.cat([mlp.gate_proj.weight.grad[cols], mlp.up_proj.weight.grad[cols]])
+    torch.testing.assert_close(tp_mlp.gate_up_proj.weight.grad, gate_up, **tight)
+
+
+@pytest.mark.parametrize("use_comm", [False, True], ids=["group", "asynctp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_layers_without_sequence_parallelism(world, use_comm):
+    run(_without_sequence_parallelism, world, use_comm)
+
+
 def _async_tp_on_the_reference_backend(rank, world):
     torch.manual_seed(rank)
     rows, k, n = 3, 16, 8
@@ -62,17 +156,29 @@ def _async_tp_on_the_reference_backend(rank, world):
     parts = [torch.empty(world * rows, n) for _ in range(world)]
     dist.all_gather(parts, a_full @ w)
     torch.testing.assert_close(tp.gemm_rs(a_full, w), sum(parts)[rank * rows:(rank + 1) * rows])
+    torch.testing.assert_close(tp.gemm_ar(a_full, w), sum(parts))
+
+    a_grad = a.clone().requires_grad_()                  # differentiable; the gathered A is not
+    out, gathered = tp.ag_gemm(a_grad, w, return_gathered=True)
+    assert out.requires_grad and not gathered.requires_grad and torch.equal(gathered[rank * rows:(rank + 1) * rows], a)
+    out.sum().backward()
+    expected = tp.gemm_rs(torch.ones(world * rows, n), w.t())
+    torch.testing.assert_close(a_grad.grad, expected)
 
     with pytest.raises(ValueError, match="dtype"):
         tp.ag_gemm(a.double(), w)
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match=f"M={world * (rows + 1)} exceeds .* max_rows={world * rows}"):
         tp.ag_gemm(torch.randn(rows + 1, k), w)
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match="N=17 exceeds .* max_features=16"):
         tp.gemm_rs(torch.randn(world * rows, k), torch.randn(k, 17))
     with pytest.raises(ValueError, match="evenly"):
         tp.gemm_rs(torch.randn(world * rows - 1, k), w)
     with pytest.raises(ValueError, match="columns"):
         tp.gemm_rs(torch.randn(world * rows, k + 1), w)
+    with pytest.raises(ValueError, match="N=17 exceeds .* max_features=16"):
+        tp.gemm_ar(torch.randn(world * rows, k), torch.randn(k, 17))
+    with pytest.raises(ValueError, match="dtype"):
+        tp.gemm_ar(a_full.double(), w)
     with pytest.raises(ValueError, match="2-D"):
         tp.ag_gemm(a[None], w)
     with pytest.raises(ValueError, match="contiguous"):
@@ -105,3 +211,36 @@ def test_cost_model():
         assert times["never"] < min(times["fused"], times["chunked"])
     times = predicted_us("ag_gemm", 16384, 8192, 4096, world=2)   # the issue's (16384, 8192, 8192) at tp 2
     assert times["never"] / times["chunked"] > 1.2
+
+
+def test_candidates_of_the_measured_choice():
+    assert candidate_paths("ag_gemm", 4, 128, 128, world=2) == ["never"]      # overhead rules overlap out
+    assert candidate_paths("ag_gemm", 16384, 8192, 4096, world=2) == ["chunked", "fused", "never"]
+
+
+def _measured_choice_agrees_and_is_cached(rank, world):
+    # rank 0 alone finds "chunked" fastest; on their slowest rank "never" wins: every rank takes it
+    mine = {"chunked": 50.0 if rank == 0 else 200.0, "fused": 150.0, "never": 100.0 + rank}
+    path, times = measured_choice(["chunked", "fused", "never"], mine.get, None, torch.device("cpu"))
+    assert path == "never" and times == {"chunked": 200.0, "fused": 150.0, "never": 100.0 + world - 1}
+
+    tp = AsyncTP.__new__(AsyncTP)                       # the nvshmem backend's choice logic, no buffers
+    tp._configure(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0)
+    tp.group, tp.device = None, torch.device("cpu")
+    ran = []
+    mine = {"chunked": 10.0 if rank == 0 else 30.0, "fused": 20.0, "never": 40.0}
+    tp._time_us = lambda fn: (fn(), mine[ran[-1]])[1]   # a fake clock: the candidate that just ran
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
+    assert ran == ["chunked", "fused", "never"]
+    choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
+    assert choice["times_us"] == {"chunked": 30.0, "fused": 20.0, "never": 40.0} and choice["first_call_ms"] > 0
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 3    # cached
+    assert tp._path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 6    # a new shape
+    assert tp._path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 6           # untimed
+    assert tp.choices[("ag_gemm", 4, 128, 128)]["times_us"] == {}
+    tp.overlap = "chunked"
+    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 6
+
+
+def test_measured_choice_agrees_across_ranks_and_is_cached():
+    run(_measured_choice_agrees_and_is_cached, 2)

@@ -24,12 +24,17 @@ whole GEMM. ``moe_ep.AsyncTP`` overlaps them (Looped CollectiveEinsum):
 
 Two ways to run the GEMM side: "fused", one persistent Triton GEMM that waits per tile
 (reduce-scatter: stores its partial tiles straight into the peer over NVLink), and
-"chunked", one cuBLAS GEMM per shard. ``overlap="auto"`` picks per shape, or the plain path
-where overlap cannot pay.
+"chunked", one cuBLAS GEMM per shard. ``overlap="auto"`` times the paths on the first call of
+each shape and keeps the fastest (the plain path included, so overlap never costs).
 
-This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks it
-against the unsharded module, and times the overlapped layer against the plain path (NCCL,
-then cuBLAS). Without GPUs it runs the reference path on gloo.
+The layers train: the gradient of the all-gather GEMM's input is a GEMM reduce-scatter, and
+the other way round. For decode, ``sequence_parallel=False`` keeps all rows on every rank and
+all-reduces the down projection's output instead (``AsyncTP.gemm_ar``).
+
+This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks its
+output and its gradients against the unsharded module, runs a decode step without sequence
+parallelism, and times the overlapped layer against the plain path (NCCL, then cuBLAS).
+Without GPUs it runs the reference path on gloo.
 """
 import torch
 import torch.distributed as dist
@@ -61,6 +66,25 @@ def main():
     tol = 3e-2 if gpu else 1e-5
     torch.testing.assert_close(y, expected, rtol=tol, atol=tol)
     print(f"rank {rank}: TP MLP over {world} ranks matches the unsharded MLP on its {y.shape[0]} rows")
+
+    # Training: the sharded loss terms add up to the unsharded loss, so the gradients match.
+    x_full = x.clone().requires_grad_()
+    mlp(x_full).float().square().sum().backward()
+    x_mine = x[mine].clone().requires_grad_()
+    tp_mlp(x_mine).float().square().sum().backward()
+    my_columns = slice(rank * intermediate // world, (rank + 1) * intermediate // world)
+    down_grad = mlp.down_proj.weight.grad[:, my_columns]
+    for name, got, want in (("input", x_mine.grad, x_full.grad[mine]),
+                            ("down_proj weight", tp_mlp.down_proj.weight.grad, down_grad)):
+        error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert error < tol, f"{name} gradient: max error {error:.2g} of its largest entry"
+    print(f"rank {rank}: its input and weight gradients match the unsharded MLP's")
+
+    # Decode: a few tokens, every rank holds all of them; one all-reduce after the down projection.
+    decode = TPMLP.from_mlp(mlp, comm=comm, sequence_parallel=False)
+    with torch.no_grad():
+        torch.testing.assert_close(decode(x[:4]), mlp(x[:4]), rtol=tol, atol=tol)
+    print(f"rank {rank}: decode step (4 tokens, no sequence parallelism) matches")
 
     if gpu:
         plain = TPMLP.from_mlp(mlp)                              # comm=None: NCCL then cuBLAS

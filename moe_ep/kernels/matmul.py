@@ -1,8 +1,10 @@
-"""What the two async-TP GEMMs (``ag_gemm``, ``gemm_rs``) share: the tile loop, the tile order
-inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded wait
-that a stream can be held on between two cuBLAS calls).
+"""What the async-TP GEMMs (``ag_gemm``, ``gemm_rs``, ``gemm_ar``) share: the tile loop, the tile
+order inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded
+wait that a stream can be held on between two cuBLAS calls). ``matmul`` is their GEMM alone, with
+no communication: what benchmarks/bench_tp.py holds against cuBLAS (the fused paths can only win
+where it comes close).
 
-Both kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
+The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
 it has finished its tiles of an earlier one. Inside a shard the tiles go in groups of GROUP_M
 row-blocks (the Triton matmul tutorial's L2-friendly order).
@@ -10,6 +12,7 @@ row-blocks (the Triton matmul tutorial's L2-friendly order).
 The tile shapes depend only on the problem's sizes and dtype, never on the rank: tile ids are
 part of the protocol between ranks (GEMM-RS signals one flag per tile).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -90,3 +93,32 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
     block_k = 64 if element_size == 2 else 32
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                 num_warps=8 if block_m * block_n >= 128 * 256 else 4, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["M", "programs"])
+def matmul_kernel(a, w, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """out [M, N] = a [M, K] @ w [K, N] (any strides), the persistent tile loop of the fused kernels."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for t in range(tl.program_id(0), tiles_m * tiles_n, programs):
+        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None) -> torch.Tensor:
+    """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
+    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count)."""
+    (m, k), n = a.shape, w.shape[1]
+    config = config or tile_config(m, n, a.element_size())
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
+    matmul_kernel[(max(grid, 1),)](a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), grid,
+                                   EVEN_K=k % config["BLOCK_K"] == 0, **config)
+    return out

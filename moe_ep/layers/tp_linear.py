@@ -1,5 +1,5 @@
-"""Tensor-parallel linear layers with sequence parallelism: the all-gather before a column-parallel
-GEMM and the reduce-scatter after a row-parallel one.
+"""Tensor-parallel linear layers, with sequence parallelism (the default: the all-gather before a
+column-parallel GEMM and the reduce-scatter after a row-parallel one) or without it (decode).
 
     comm = AsyncTP(max_rows=8192, max_features=14336)                      # shared by every layer
     up = ColumnParallelLinear.from_linear(nn.Linear(H, I), comm=comm)      # weight rows [I/tp, H] here
@@ -10,15 +10,32 @@ Inputs and outputs are sequence-parallel: rank r holds rows [r*M/tp, (r+1)*M/tp)
 leading dimensions. The communication runs through ``comm``, an ``moe_ep.AsyncTP`` (all-gather
 GEMM and GEMM reduce-scatter, overlapped where that pays). Without one, a layer runs
 ``moe_ep.reference`` on torch.distributed over ``group`` (CPU with gloo, or NCCL).
+
+With ``sequence_parallel=False`` every rank holds all M rows of the layers' inputs and outputs:
+a column-parallel layer needs no communication forward (its input gradient is all-reduced), a
+row-parallel one all-reduces its output (``AsyncTP.gemm_ar``): the decode case, where M need not
+be a multiple of tp and one all-reduce per MLP replaces a gather and a scatter.
+
+    up = ColumnParallelLinear.from_linear(nn.Linear(H, I), comm=comm, sequence_parallel=False)
+    down = RowParallelLinear.from_linear(nn.Linear(I, H), comm=comm, sequence_parallel=False)
+    y = down(act(up(x)))                      # x, y: [M, H], the same on every rank
+
+The layers train: the gradient of an all-gather GEMM's input is a GEMM reduce-scatter and the
+other way round (``moe_ep.tp.AllGatherGemm``, ``GemmReduceScatter``), on the same backend as
+the forward. With sequence parallelism a row-parallel layer's bias is whole on every rank and
+added to this rank's rows, so its gradient holds this rank's rows' share: all-reduce it over the
+group before the optimizer step, as any parameter replicated under sequence parallelism.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import reference
-from ..tp import AsyncTP
+from ..tp import AllGatherGemm, AllReduceGrad, AsyncTP, GemmAllReduce, GemmReduceScatter
 
 
 def _split(total: int, world: int, what: str) -> int:
@@ -33,8 +50,9 @@ class _TPLinear(nn.Module):
     SPLIT_DIM = 0
 
     def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
-                 comm: AsyncTP | None = None, dtype=None, device=None):
+                 comm: AsyncTP | None = None, dtype=None, device=None, sequence_parallel: bool = True):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if comm is not None and not isinstance(comm, AsyncTP):
             raise ValueError(f"comm must be an moe_ep.AsyncTP or None, got {type(comm).__name__}")
         self.group = comm.group if comm is not None else group
@@ -52,13 +70,22 @@ class _TPLinear(nn.Module):
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.weight.shape[1]}")
         return x.reshape(-1, x.shape[-1])
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, comm: AsyncTP | None = None):
-        """This rank's shard of linear.weight (and of its bias, when the bias is sharded too)."""
-        return cls.from_linears([linear], group, comm)
+    def _reference_ops(self):
+        """(all-gather GEMM, GEMM reduce-scatter) of moe_ep.reference on this layer's group."""
+        return partial(reference.ag_gemm, group=self.group), partial(reference.gemm_rs, group=self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.world}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
     @classmethod
-    def from_linears(cls, linears: list[nn.Linear], group=None, comm: AsyncTP | None = None):
+    def from_linear(cls, linear: nn.Linear, group=None, comm: AsyncTP | None = None, sequence_parallel: bool = True):
+        """This rank's shard of linear.weight (and of its bias, when the bias is sharded too)."""
+        return cls.from_linears([linear], group, comm, sequence_parallel)
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Linear], group=None, comm: AsyncTP | None = None,
+                     sequence_parallel: bool = True):
         """One layer for several linears of the same input (e.g. gate and up): this rank's shards,
         stacked in order. Column-parallel only; a row-parallel layer takes one linear."""
         if len(linears) != 1 and cls.SPLIT_DIM != 0:
@@ -67,7 +94,7 @@ class _TPLinear(nn.Module):
         if any(lin.in_features != first.in_features for lin in linears):
             raise ValueError("the linears must take the same input size")
         layer = cls(first.in_features, sum(lin.out_features for lin in linears), group, first.bias is not None,
-                    comm, first.weight.dtype, first.weight.device)
+                    comm, first.weight.dtype, first.weight.device, sequence_parallel)
         with torch.no_grad():
             weights, biases = [], []
             name = ("out_features", "in_features")[cls.SPLIT_DIM]
@@ -83,13 +110,16 @@ class _TPLinear(nn.Module):
 
 
 class ColumnParallelLinear(_TPLinear):
-    """y = all_gather(x_shard) @ W_r.T (+ b_r): x_shard [..., in] holds this rank's rows, y [M, out/tp]."""
+    """y = all_gather(x_shard) @ W_r.T (+ b_r): x_shard [..., in] holds this rank's rows, y [M, out/tp].
+    Without sequence parallelism: y = x @ W_r.T (+ b_r), x [..., in] all rows on every rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M/tp rows, in] (leading dims flattened) -> [M, out/tp]."""
+        """x [M/tp rows, in] (leading dims flattened; all M rows without sequence parallelism) -> [M, out/tp]."""
         rows = self._rows(x)
-        if self.comm is None:
-            y = reference.ag_gemm(rows, self.weight.t(), self.group)
+        if not self.sequence_parallel:
+            y = AllReduceGrad.apply(rows, self.group) @ self.weight.t()
+        elif self.comm is None:
+            y = AllGatherGemm.apply(rows.contiguous(), self.weight.t(), *self._reference_ops())
         else:
             y = self.comm.ag_gemm(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
@@ -97,17 +127,26 @@ class ColumnParallelLinear(_TPLinear):
 
 class RowParallelLinear(_TPLinear):
     """y_shard = reduce_scatter(x @ W_r.T) (+ b): x [M, in/tp], y_shard [M/tp, out] (this rank's rows).
+    Without sequence parallelism: y = all_reduce(x @ W_r.T) (+ b), y [M, out] on every rank.
 
     The weight is split by columns; the bias is whole and added once, after the reduction."""
 
     SPLIT_DIM = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in/tp] -> [M/tp, out]."""
+        """x [M, in/tp] -> [M/tp, out] ([M, out] without sequence parallelism)."""
         rows = self._rows(x)
+        if not self.sequence_parallel:
+            if self.comm is None:
+                all_reduce = partial(reference.gemm_ar, group=self.group)
+                y = GemmAllReduce.apply(rows.contiguous(), self.weight.t(), all_reduce)
+            else:
+                y = self.comm.gemm_ar(rows.contiguous(), self.weight.t())
+            return y if self.bias is None else y + self.bias
         _split(rows.shape[0], self.world, "rows")
         if self.comm is None:
-            y = reference.gemm_rs(rows, self.weight.t(), self.group)
+            ag, rs = self._reference_ops()
+            y = GemmReduceScatter.apply(rows.contiguous(), self.weight.t(), rs, ag)
         else:
             y = self.comm.gemm_rs(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
@@ -117,7 +156,8 @@ class TPMLP(nn.Module):
     """A Llama-style gated MLP, down(act(gate(x)) * up(x)), tensor- and sequence-parallel.
 
     gate and up are one column-parallel layer (one all-gather GEMM for both, this rank's gate
-    columns then its up columns), down is row-parallel. x_shard [M/tp, H] -> [M/tp, H].
+    columns then its up columns), down is row-parallel. x_shard [M/tp, H] -> [M/tp, H]; without
+    sequence parallelism x [M, H] -> [M, H], the same on every rank.
     """
 
     def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear, act):
@@ -125,13 +165,15 @@ class TPMLP(nn.Module):
         self.gate_up_proj, self.down_proj, self.act = gate_up, down, act
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, group=None, comm: AsyncTP | None = None) -> "TPMLP":
+    def from_mlp(cls, mlp: nn.Module, group=None, comm: AsyncTP | None = None,
+                 sequence_parallel: bool = True) -> "TPMLP":
         """From a module with gate_proj, up_proj, down_proj (nn.Linear) and act_fn, as Llama's MLP."""
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), nn.Linear):
                 raise ValueError(f"{type(mlp).__name__} has no nn.Linear {name}: not a Llama-style MLP")
-        return cls(ColumnParallelLinear.from_linears([mlp.gate_proj, mlp.up_proj], group, comm),
-                   RowParallelLinear.from_linear(mlp.down_proj, group, comm), getattr(mlp, "act_fn", nn.SiLU()))
+        return cls(ColumnParallelLinear.from_linears([mlp.gate_proj, mlp.up_proj], group, comm, sequence_parallel),
+                   RowParallelLinear.from_linear(mlp.down_proj, group, comm, sequence_parallel),
+                   getattr(mlp, "act_fn", nn.SiLU()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
