@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # Run a script with torchrun, one process per visible GPU:
-#     bash launch.sh [--nproc N] [--heap SIZE] script.py [args...]
-# --nproc  processes (default: the number of visible GPUs; 2 when there is none)
-# --heap   NVSHMEM symmetric heap per GPU (default: $NVSHMEM_SYMMETRIC_SIZE, else 4G)
+#     bash launch.sh [--nproc N] [--heap SIZE] [--log-dir DIR] script.py [args...]
+# --nproc    processes (default: the number of visible GPUs; 2 when there is none)
+# --heap     NVSHMEM symmetric heap per GPU (default: $NVSHMEM_SYMMETRIC_SIZE, else 4G)
+# --log-dir  also keep each rank's whole stdout and stderr under DIR (torchrun's --log-dir with --tee 3)
 # With no GPU the script still runs, as CPU processes on gloo (the reference path).
 # NVSHMEM_DISABLE_NVLS, NCCL_NVLS_ENABLE and TORCH_SYMM_MEM_DISABLE_MULTICAST pass through untouched.
 set -euo pipefail
 
-usage() { echo "usage: bash launch.sh [--nproc N] [--heap SIZE] script.py [args...]"; }
+usage() { echo "usage: bash launch.sh [--nproc N] [--heap SIZE] [--log-dir DIR] script.py [args...]"; }
 fail() { echo "launch.sh: $1" >&2; usage >&2; exit 2; }
 
 nproc=""
 heap="${NVSHMEM_SYMMETRIC_SIZE:-4G}"
+logs=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nproc) [[ $# -ge 2 ]] || fail "--nproc needs a value"; nproc="$2"; shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
     --heap) [[ $# -ge 2 ]] || fail "--heap needs a value"; heap="$2"; shift 2 ;;
     --heap=*) heap="${1#*=}"; shift ;;
+    --log-dir) [[ $# -ge 2 ]] || fail "--log-dir needs a value"; logs=(--log-dir "$2" --tee 3); shift 2 ;;
+    --log-dir=*) logs=(--log-dir "${1#*=}" --tee 3); shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
     -*) fail "unknown option $1" ;;
@@ -43,4 +47,5 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export NVSHMEM_SYMMETRIC_SIZE="$heap"
 export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"   # one node: NVLink peers only
-exec python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" "$@"
+# --standalone: the rendezvous store binds a port the system picks, so no port is chosen ahead and raced for.
+exec python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" ${logs[@]+"${logs[@]}"} "$@"

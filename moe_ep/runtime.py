@@ -148,7 +148,15 @@ def _nvshmem():
 
 def init_distributed() -> torch.device:
     """Start torch.distributed from torchrun's environment: NCCL with one GPU per process
-    (LOCAL_RANK) when GPUs are visible, gloo on CPU otherwise. Returns this process's device."""
+    (LOCAL_RANK) when GPUs are visible, gloo on CPU otherwise. Returns this process's device.
+
+    torch.distributed.nn is imported first, while no group exists: its functions take
+    ``group=group.WORLD`` as a default argument, so imported later (transformers does, when it
+    builds a model) they would keep the default group alive after destroy_process_group, and
+    with it gloo's worker threads, which then can abort the process as Python exits.
+    """
+    import torch.distributed.nn  # noqa: F401  (see above)
+
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

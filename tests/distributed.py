@@ -3,72 +3,85 @@
     run(fn, world, *args)   # fn(rank, world, *args) in every process; gloo on CPU
     run(fn, world, *args, gpu=True)   # NCCL, one GPU per process; NVSHMEM is finalized at the end
 
-Any exception in any process fails the caller with that process's traceback, and the other
-processes (likely waiting for the failed one) are killed a few seconds later; a process that
-does not finish within `timeout` seconds is killed and fails it too.
+The processes meet through a file store in a fresh temporary folder (no port to choose, so none
+another job can take first). Everything a process prints, Python or native, goes to its own log.
+Any exception in any process fails the caller with every rank's exit code and whole log, and the
+other processes (likely waiting for the failed one) are killed a few seconds later; a process
+that does not finish within `timeout` seconds is killed and fails it too.
 """
 import os
-import socket
+import shutil
+import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn, rank, world, port, gpu, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _worker(fn, rank, world, folder, gpu, args, failed):
+    log = os.open(Path(folder) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    store = f"file://{Path(folder) / 'store'}"
+    code = 0
     try:
         if gpu:
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
             torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+            dist.init_process_group("nccl", init_method=store, rank=rank, world_size=world,
+                                    device_id=torch.device("cuda", rank))
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         fn(rank, world, *args)
         if gpu:
             from moe_ep import runtime
             runtime.finalize()
+        dist.barrier()             # nobody tears down while a peer still sends to it
         dist.destroy_process_group()
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
-    os._exit(0)      # done: skip interpreter teardown, where library threads have been seen to abort
+        traceback.print_exc()
+        failed.put(rank)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: torch.distributed's worker threads may still be releasing the last
+    # collective's tensors, and a thread that needs the GIL while Python finalizes aborts the process.
+    os._exit(code)
+
+
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace") if log.exists() else "(no output)\n"
 
 
 def run(fn, world, *args, gpu=False, timeout=600):
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, gpu, args, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, failures = time.monotonic() + timeout, []
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        while not errors.empty():
-            failures.append(errors.get())
-        if failures:                                  # the others are probably waiting for the failed one
-            deadline = min(deadline, time.monotonic() + 10)
-        time.sleep(0.05)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures)))
-    if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout}s")
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"exit codes {codes}"
+    failed = ctx.SimpleQueue()
+    folder = tempfile.mkdtemp(prefix="moe_ep_test_")
+    try:
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, folder, gpu, args, failed)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if not failed.empty():                    # the others are probably waiting for the failed one
+                deadline = min(deadline, time.monotonic() + 10)
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        codes = [p.exitcode for p in procs]
+        if codes != [0] * world:
+            logs = "".join(f"\n--- rank {r}: exit code {code}{' (killed: did not finish)' if r in hung else ''} ---\n"
+                           + _read(Path(folder) / f"rank{r}.log") for r, code in enumerate(codes))
+            reason = f"ranks {hung} did not finish within {timeout}s" if hung and failed.empty() else "a rank failed"
+            raise AssertionError(f"{reason}; every rank's output:{logs}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

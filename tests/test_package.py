@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import runtime
-from distributed import _free_port
 
 
 def test_import_without_nvshmem():
@@ -35,8 +34,8 @@ def test_symmetric_memory_needs_init():
 
 
 @pytest.fixture
-def gloo_world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+def gloo_world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

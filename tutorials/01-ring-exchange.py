@@ -76,9 +76,10 @@ def main():
     assert torch.equal(reference, torch.full_like(buf, float((rank - 2) % world * 100 + rounds)))
     print(f"rank {rank}: {rounds} rounds correct; 4 MiB put with signal in one CTA took "
           f"{start.elapsed_time(end) * 1e3:.0f} us in the last round")
-    runtime.finalize()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    runtime.finalize()
+    dist.barrier()                 # every rank is done talking before any tears down
+    dist.destroy_process_group()

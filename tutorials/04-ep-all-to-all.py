@@ -68,9 +68,10 @@ def main():
             print(f"dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
                   f"(eager, CUDA events; benchmarks/bench_all_to_all.py has the full comparison)")
     ep.destroy()
-    runtime.finalize()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    runtime.finalize()
+    dist.barrier()                 # every rank is done talking before any tears down
+    dist.destroy_process_group()

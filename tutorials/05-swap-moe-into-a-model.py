@@ -97,9 +97,10 @@ def main():
             us = median_us(lambda: layer(x))
         if rank == 0:
             print(f"one EPMoE layer, 64 tokens per rank: {us:.1f} us per forward (eager)")
-    runtime.finalize()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    runtime.finalize()
+    dist.barrier()                 # every rank is done talking before any tears down
+    dist.destroy_process_group()

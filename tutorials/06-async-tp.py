@@ -100,9 +100,10 @@ def main():
                   + f" (plain / auto = {times['plain'] / times['auto']:.2f}x; "
                   "benchmarks/bench_tp.py has the per-GEMM comparison)")
         comm.destroy()
-    runtime.finalize()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    runtime.finalize()
+    dist.barrier()                 # every rank is done talking before any tears down
+    dist.destroy_process_group()
