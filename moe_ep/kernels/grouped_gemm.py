@@ -54,6 +54,9 @@ TILE_CONFIGS = {
 }
 WEIGHT_BLOCK = tl.constexpr(128)   # FP8 weights: one scale per 128 x 128 tile (DeepSeek-V3's); BLOCK_K is 128 then
 DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile covers an expert
+# Shared memory for the pipeline's stages: an H100/H200 block gets 227 KB, and the epilogue's layout
+# conversion takes up to 64 KB more (seen: fp32 128 x 128 tiles need 256 KB for 4 stages of 64 KB).
+STAGE_MEMORY = 160 * 1024
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
 
 
@@ -140,17 +143,20 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
 
 
 def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False,
-                fp8_weights: bool = False) -> dict:
+                fp8_weights: bool = False, a_bytes: int = 2, w_bytes: int = 2) -> dict:
     """The TILE_CONFIGS entry for `rows_per_expert` expected rows; BLOCK_N halved for the gated form
     (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
-    capped at the group of FP8 rows."""
+    capped at the group of FP8 rows; as many stages as fit STAGE_MEMORY with a's and w's element
+    sizes (fp32 operands fit half as many as bf16)."""
     config = dict(TILE_CONFIGS["decode" if rows_per_expert <= DECODE_ROWS else "prefill"])
     if gated:
         config["BLOCK_N"] //= 2
-    if fp8_weights:         # 128-column steps of bf16 rows and FP8 weights: 48 KB a stage, so at most 3
-        config["BLOCK_K"], config["num_stages"] = WEIGHT_BLOCK.value, min(config["num_stages"], 3)
+    if fp8_weights:
+        config["BLOCK_K"] = WEIGHT_BLOCK.value
     if fp8_group:
         config["BLOCK_K"] = min(config["BLOCK_K"], fp8_group)
+    stage = config["BLOCK_K"] * (config["BLOCK_M"] * a_bytes + (2 if gated else 1) * config["BLOCK_N"] * w_bytes)
+    config["num_stages"] = max(1, min(config["num_stages"], STAGE_MEMORY // stage))
     return config
 
 
@@ -210,7 +216,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     packed_rows = packed[0] if packed else 2**31 - 1
     config = dict(tiles) if tiles is not None else tile_config(
         rows if rows_per_expert is None else rows_per_expert, group if fp8 else None, gated=activation is not None,
-        fp8_weights=fp8_weights)
+        fp8_weights=fp8_weights, a_bytes=a.element_size(), w_bytes=w.element_size())
     if (fp8 and group % config["BLOCK_K"]) or (fp8_weights and WEIGHT_BLOCK.value % config["BLOCK_K"]):
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the FP8 groups")
     programs_per_sm = config.pop("programs_per_sm")
