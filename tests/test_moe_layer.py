@@ -24,6 +24,10 @@ transformers = pytest.importorskip("transformers")
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, num_experts_per_tok=2)
 SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "beam", "hunyuan_v1_moe")
+# The model class of each family: older transformers releases lack some (Beam), and those are left out.
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM", "beam": "BeamForCausalLM",
+           "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
 def tiny_model(kind: str, seed: int = 0) -> nn.Module:
@@ -87,7 +91,9 @@ def _swapped_logits_match(rank, world, kind):
 
 
 def _all_families(rank, world):
-    for kind in SUPPORTED:
+    present = [kind for kind in SUPPORTED if hasattr(transformers, CLASSES[kind])]
+    assert {"mixtral", "qwen3_moe", "deepseek_v3"} <= set(present), f"only {present} in this transformers"
+    for kind in present:
         _swapped_logits_match(rank, world, kind)
 
 
@@ -151,9 +157,11 @@ def _experts_on_kernels(rank, world):
     """run_experts as the GPU runs it (kernels; interpreted on CPU) against its torch form: the
     activation fused and not, FP8 weights; and what FP8 weights cost against the unquantized layer:
     about 6% relative error here, four e4m3 roundings (rows and weights of both GEMMs) of about 2.5%
-    each. On GPUs fp32 dots run in tf32, hence the looser tolerance there."""
+    each. Compared per expert by the relative error of its rows: 1e-5 in fp32 on CPU; on GPUs the
+    kernels' fp32 dots run in tf32 (unit roundoff 2^-11, about 5e-4, a few roundings through two
+    GEMMs), so 5e-3 there, where single elements near zero can differ by more."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tol = 1e-4 if device == "cpu" else 2e-2
+    tol = 1e-5 if device == "cpu" else 5e-3
     g = torch.Generator().manual_seed(rank)
     for activation, fp8_experts in (("silu", False), (torch.tanh, False), ("silu", True)):
         layer = EPMoE(128, 128, 8, 2, activation=activation, backend="reference", dtype=torch.float32,
@@ -170,7 +178,9 @@ def _experts_on_kernels(rank, world):
         expected = layer._run_experts_in_torch(recv_x, None, counts, *weights)
         exact = layer._run_experts_in_torch(recv_x, None, counts, layer.gate_up_proj, None, layer.down_proj, None)
         for e, count in enumerate(counts.tolist()):
-            torch.testing.assert_close(out[e, :count], expected[e, :count], rtol=tol, atol=tol)
+            if count:
+                error = ((out[e, :count] - expected[e, :count]).norm() / expected[e, :count].norm()).item()
+                assert error < tol, f"{activation}, fp8_experts={fp8_experts}, expert {e}: relative error {error:.3g}"
         error = ((expected - exact).norm() / exact.norm()).item()
         assert error < (0.1 if fp8_experts else 1e-6), f"fp8_experts={fp8_experts}: relative error {error:.3g}"
 
