@@ -159,7 +159,9 @@ def _experts_on_kernels(rank, world):
     about 6% relative error here, four e4m3 roundings (rows and weights of both GEMMs) of about 2.5%
     each. Compared per expert by the relative error of its rows: 1e-5 in fp32 on CPU; on GPUs the
     kernels' fp32 dots run in tf32 (unit roundoff 2^-11, about 5e-4, a few roundings through two
-    GEMMs), so 5e-3 there, where single elements near zero can differ by more."""
+    GEMMs), so 5e-3 there, where single elements near zero can differ by more. With FP8 weights the
+    intermediate is rounded to e4m3 between the GEMMs: there a tf32 difference now and then flips an
+    element's rounding by one e4m3 step (about 6%), so 2e-2 on GPUs (0.0068 seen on H200s)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tol = 1e-5 if device == "cpu" else 5e-3
     g = torch.Generator().manual_seed(rank)
@@ -180,7 +182,8 @@ def _experts_on_kernels(rank, world):
         for e, count in enumerate(counts.tolist()):
             if count:
                 error = ((out[e, :count] - expected[e, :count]).norm() / expected[e, :count].norm()).item()
-                assert error < tol, f"{activation}, fp8_experts={fp8_experts}, expert {e}: relative error {error:.3g}"
+                bound = 2e-2 if fp8_experts and device == "cuda" else tol
+                assert error < bound, f"{activation}, fp8_experts={fp8_experts}, expert {e}: relative error {error:.3g}"
         error = ((expected - exact).norm() / exact.norm()).item()
         assert error < (0.1 if fp8_experts else 1e-6), f"fp8_experts={fp8_experts}: relative error {error:.3g}"
 
