@@ -5,7 +5,7 @@
 Each file becomes one section headed by where and when it ran (device, ranks, date, torch and
 triton versions). EP all-to-all files (bench_all_to_all.py) get their latency table, the NCCL
 baselines and the per-phase breakdown; any other file gets a table of the scalar columns of
-each list of rows it holds.
+each list of rows it holds ('-' where a row has no such entry).
 """
 import json
 import sys
@@ -51,8 +51,9 @@ def generic_section(data: dict) -> str:
     text = ""
     for key, value in data.items():
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            columns = [c for c in value[0] if all(isinstance(v.get(c), (int, float, str)) for v in value)]
-            text += f"\n{key}:\n\n{markdown_table(value, columns, fmt='.3g')}\n"
+            columns = list(dict.fromkeys(c for v in value for c in v))
+            columns = [c for c in columns if all(isinstance(v.get(c), (int, float, str, type(None))) for v in value)]
+            text += f"\n{key}:\n\n{markdown_table(value, columns)}\n"
     return text
 
 
