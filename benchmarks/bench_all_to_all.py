@@ -280,8 +280,7 @@ def main():
         with open(os.path.join(args.out, f"all_to_all_{world}ranks.md"), "w") as f:
             f.write(text)
         print(text)
-    runtime.finalize()
-    dist.destroy_process_group()
+    runtime.finalize_distributed()
 
 
 if __name__ == "__main__":

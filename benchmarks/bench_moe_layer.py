@@ -208,8 +208,7 @@ def main():
             with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
                 json.dump(tuning, f, indent=1)
             print(markdown_table(tuning["rows"], ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]))
-        runtime.finalize()
-        dist.destroy_process_group()
+        runtime.finalize_distributed()
         return
     results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
 
@@ -230,8 +229,7 @@ def main():
         print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts",
                                                 "dispatch_us", "experts_us", "combine_us", "forward_us", "graph_us",
                                                 "fp8_experts_rel_error", "error"]))
-    runtime.finalize()
-    dist.destroy_process_group()
+    runtime.finalize_distributed()
 
 
 if __name__ == "__main__":

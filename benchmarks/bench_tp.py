@@ -187,8 +187,7 @@ def main():
             f.write(text)
         print(text)
     tp.destroy()
-    runtime.finalize()
-    dist.destroy_process_group()
+    runtime.finalize_distributed()
 
 
 if __name__ == "__main__":

@@ -317,16 +317,13 @@ class EPAllToAll(runtime.CommObject):
             self._stamps[:2].copy_(self._unstamped[:2])
         self._dispatch_send[slot](x, topk_ids, topk_weights, x.shape[0], call)
         outputs = (recv_x, recv_scales, recv_count, handle)
-        receive = self._dispatch_recv[slot]
+        def receive():
+            self._dispatch_recv[slot]()
+            handle.received = True
         if not return_recv_hook:
             receive()
-            handle.received = True
             return outputs
-
-        def hook():
-            receive()
-            handle.received = True
-        return (*outputs, self._hook("dispatch", hook))
+        return (*outputs, self._hook("dispatch", receive))
 
     # ------------------------------------------------------------------------------------ combine
 
@@ -359,11 +356,11 @@ class EPAllToAll(runtime.CommObject):
         if self.timing:
             self._stamps[2:].copy_(self._unstamped[2:])
         self._combine_send[slot, handle.slot](expert_out)
-        receive = self._combine_recv[slot]
+        receive = lambda: self._combine_recv[slot](y, handle.topk_ids, handle.num_tokens)  # noqa: E731
         if not return_recv_hook:
-            receive(y, handle.topk_ids, handle.num_tokens)
+            receive()
             return y
-        return y, self._hook("combine", lambda: receive(y, handle.topk_ids, handle.num_tokens))
+        return y, self._hook("combine", receive)
 
     # ------------------------------------------------------------------------------------ timing
 

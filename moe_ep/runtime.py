@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "NvshmemUnavailable", "init_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
+    "NvshmemUnavailable", "init_distributed", "finalize_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
     "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
     "stream_write_value", "put_on_stream", "CommObject",
 ]
@@ -216,6 +216,15 @@ def finalize() -> None:
         free(t)
     core.finalize()
     _state["initialized"] = False
+
+
+def finalize_distributed() -> None:
+    """The end of an init_distributed job (collective): NVSHMEM finalized if it was started, a
+    barrier, so that no rank tears down while a peer still talks to it, then the process group
+    destroyed (its gloo threads with it: a gloo thread alive as Python exits can abort the process)."""
+    finalize()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:

@@ -378,7 +378,7 @@ class AsyncTP(runtime.CommObject):
 
     def _gemm_ar_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, n = a.shape[0], w.shape[1]
-        if path != "fused" or m * self.world > self.max_rows:
+        if path != "fused":                  # _gemm_ar takes "never" where M * W exceeds max_rows
             out = a @ w
             dist.all_reduce(out, group=self.group)
             return out
@@ -397,10 +397,12 @@ class AsyncTP(runtime.CommObject):
         n = w.shape[1]
         programs = min(self._programs, self._ar_tiles(m, n, config))
         ar_kernels.gemm_ar_kernel[(programs,)](
-            a, w, out, self._symmetric["partials"], self._peers["partials"], self._symmetric["rs_flags"],
-            self._peers["rs_flags"], self._state, self._status.data_ptr(), m, n, k, self.rank, self.world,
-            int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1), programs,
-            EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish, REDUCE=reduce, **config)
+            a=a, w=w, out=out, partials=self._symmetric["partials"], partial_peers=self._peers["partials"],
+            flags=self._symmetric["rs_flags"], flag_peers=self._peers["rs_flags"], state=self._state,
+            status_addr=self._status.data_ptr(), M=m, N=n, K=k, rank=self.rank, world=self.world,
+            timeout_ns=int(self.timeout_s * 1e9), stride_am=a.stride(0), stride_wk=w.stride(0),
+            stride_wn=w.stride(1), programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish,
+            REDUCE=reduce, **config)
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])

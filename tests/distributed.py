@@ -39,11 +39,8 @@ def _worker(fn, rank, world, folder, gpu, args, failed):
         else:
             dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         fn(rank, world, *args)
-        if gpu:
-            from moe_ep import runtime
-            runtime.finalize()
-        dist.barrier()             # nobody tears down while a peer still sends to it
-        dist.destroy_process_group()
+        from moe_ep import runtime
+        runtime.finalize_distributed()   # NVSHMEM if it started, a barrier, the group
     except BaseException:
         traceback.print_exc()
         failed.put(rank)

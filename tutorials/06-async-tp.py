@@ -104,6 +104,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    runtime.finalize()
-    dist.barrier()                 # every rank is done talking before any tears down
-    dist.destroy_process_group()
+    runtime.finalize_distributed()

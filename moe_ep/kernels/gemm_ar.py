@@ -29,7 +29,7 @@ from ..shmem import signal_add, wait_until_ge
 from .matmul import matmul_tile, tile_coords
 
 TAG_TILE = tl.constexpr(7)
-TAGS = {7: "GEMM all-reduce (waiting for a peer's partials)"}
+TAGS = {TAG_TILE.value: "GEMM all-reduce (waiting for a peer's partials)"}
 
 
 @triton.jit(do_not_specialize=["M", "rank", "world", "programs"])

@@ -39,7 +39,8 @@ import triton.language as tl
 from .. import reference
 from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
 
-ACTIVATIONS = ("silu", "gelu")
+# The activations the gated form applies in its epilogue, by name, and what each means in torch.
+ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 # Tile shapes per shape class on Hopper (wgmma: 64 rows per warpgroup). The class is picked on the
 # host from the expected rows per expert (no sync). decode: a handful of rows per expert, the GEMM
@@ -184,7 +185,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
         raise ValueError(f"counts must be int32 [{experts}] on {a.device}, got {counts.dtype} "
                          f"{tuple(counts.shape)} on {counts.device}")
     if activation not in (None, *ACTIVATIONS):
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be None or one of {tuple(ACTIVATIONS)}, got {activation!r}")
     k, n = a.shape[-1], w.shape[1]
     if activation and n % 2:
         raise ValueError(f"a gated GEMM needs an even N (gate rows, then up rows), got {n}")
@@ -253,7 +254,7 @@ def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tenso
         if scales is None:
             q, scales = reference.quantize_fp8(a.reshape(-1, a.shape[-1]), WEIGHT_BLOCK.value)
             a, scales, group = q.view(a.shape), scales.view(*a.shape[:-1], -1), WEIGHT_BLOCK.value
-    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}.get(activation, activation)
+    act = ACTIVATIONS.get(activation, activation)
     n_out = w.shape[1] // 2 if activation is not None else w.shape[1]
     out = torch.zeros((*a.shape[:2], n_out), dtype=out_dtype, device=a.device)
     for e, count in enumerate(counts.tolist()):

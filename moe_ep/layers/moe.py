@@ -24,10 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPAllToAll
-from ..kernels.grouped_gemm import WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
+from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
 from ..kernels.quant import quantize_weights_fp8
 
-ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
 PROBE_TOKENS = 32        # per rank: with top-k routing they reach most experts of a small model, and cost little
 # The verification runs the new layer on unquantized rows (reference all-to-all), so the two outputs
 # differ only by roundings to the weights' dtype: the gate/up, activation, product, down and
