@@ -2,9 +2,12 @@
 # Run a script with torchrun, one process per visible GPU:
 #     bash launch.sh [--nproc N] [--heap SIZE] [--log-dir DIR] script.py [args...]
 # --nproc    processes (default: the number of visible GPUs; 2 when there is none)
-# --heap     NVSHMEM symmetric heap per GPU (default: $NVSHMEM_SYMMETRIC_SIZE, else 4G)
+# --heap     NVSHMEM symmetric heap per process (default: $NVSHMEM_SYMMETRIC_SIZE, else 4G)
 # --log-dir  also keep each rank's whole stdout and stderr under DIR (torchrun's --log-dir with --tee 3)
 # With no GPU the script still runs, as CPU processes on gloo (the reference path).
+# More processes than GPUs (shared-GPU mode, e.g. --nproc 4 on one GPU): rank r uses GPU r % GPUs,
+# the host group is gloo, and the job runs under a private CUDA MPS daemon started and stopped here
+# (moe_ep/mps.py; an MPS daemon already running is used instead), each process with its share of SMs.
 # NVSHMEM_DISABLE_NVLS, NCCL_NVLS_ENABLE and TORCH_SYMM_MEM_DISABLE_MULTICAST pass through untouched.
 set -euo pipefail
 
@@ -33,19 +36,26 @@ done
 [[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || fail "--nproc must be a positive integer, got '$nproc'"
 [[ "$heap" =~ ^[0-9]+[KMGT]?$ ]] || fail "--heap must look like 512M or 4G, got '$heap'"
 
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+shared=()
 if (( gpus == 0 )); then
   nproc="${nproc:-2}"
   echo "launch.sh: no GPU visible, running $nproc CPU processes on gloo (reference path)"
 else
   nproc="${nproc:-$gpus}"
-  (( nproc <= gpus )) || fail "--nproc $nproc but only $gpus GPU(s) visible"
+  if (( nproc > gpus )); then
+    per_gpu=$(( (nproc + gpus - 1) / gpus ))
+    echo "launch.sh: $nproc processes on $gpus GPU(s), $per_gpu per GPU under CUDA MPS (shared-GPU mode: checks" \
+         "correctness; its timings say nothing about NVLink)"
+    shared=(python3 "$root/moe_ep/mps.py" --ranks-per-gpu "$per_gpu" --)
+  fi
 fi
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export NVSHMEM_SYMMETRIC_SIZE="$heap"
 export NVSHMEM_REMOTE_TRANSPORT="${NVSHMEM_REMOTE_TRANSPORT:-none}"   # one node: NVLink peers only
 # --standalone: the rendezvous store binds a port the system picks, so no port is chosen ahead and raced for.
-exec python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" ${logs[@]+"${logs[@]}"} "$@"
+exec ${shared[@]+"${shared[@]}"} python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  ${logs[@]+"${logs[@]}"} "$@"

@@ -1,8 +1,9 @@
 """The library's contracts computed with plain torch and torch.distributed collectives.
 
 This module is the test oracle and the ``backend="reference"`` fallback (CPU with gloo, GPU
-with NCCL). It imports nothing from the rest of the package, so it cannot share a bug with
-the kernels it checks.
+with NCCL, or GPU tensors over gloo when several ranks share one GPU: ``all_to_all_single`` and
+the other collectives below move them through host copies there). It imports nothing from the
+rest of the package, so it cannot share a bug with the kernels it checks.
 
 Expert-parallel dispatch/combine contract (``moe_ep.EPAllToAll``), world W, experts E,
 E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)):
@@ -36,6 +37,47 @@ import torch.distributed as dist
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+
+
+# -- collectives --------------------------------------------------------------------------------------
+# torch.distributed's, for tensors on any device and any group backend. NCCL cannot run with several
+# ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as host copies.
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # newer torch's name first
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(op, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
+    """op(*outputs, *inputs, group=group, **options); with GPU tensors on a gloo group, on host copies
+    whose results are copied back into `outputs`."""
+    tensors = outputs + inputs
+    if not any(t.is_cuda for t in tensors) or dist.get_backend(group) != "gloo":
+        op(*tensors, group=group, **options)
+        return
+    host = [t.cpu() for t in tensors]
+    op(*host, group=group, **options)
+    for t, h in zip(outputs, host):
+        t.copy_(h)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None) -> None:
+    _collective(dist.all_to_all_single, [output], [input], group, output_split_sizes=output_split_sizes,
+                input_split_sizes=input_split_sizes)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """output [W * n, ...] = every rank's input [n, ...], in rank order."""
+    _collective(_all_gather, [output], [input], group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """output [n, ...] = rows [rank * n, (rank + 1) * n) of the sum over ranks of input [W * n, ...]."""
+    _collective(_reduce_scatter, [output], [input], group)
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+    _collective(dist.all_reduce, [tensor], [], group, op=op)
 
 
 def quantize_fp8(x: torch.Tensor, group: int = 128):
@@ -75,7 +117,7 @@ def _bytes_to_rows(rows: torch.Tensor, specs):
 def _exchange_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     """all_to_all_single of byte rows with uneven splits."""
     received = torch.empty((sum(recv_counts), rows.shape[1]), dtype=torch.uint8, device=rows.device)
-    dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
+    all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
     return received
 
 
@@ -118,7 +160,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     send_rank, send_token = routed.t().nonzero(as_tuple=True)                     # rank-major
     send_counts = routed.sum(0).long()
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    all_to_all_single(recv_counts, send_counts, group=group)
     send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
 
     token_index = torch.arange(tokens, device=device, dtype=torch.int32)
@@ -196,7 +238,7 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, return_gathered:
     """all_gather of the row shards [M/tp, K] -> A [M, K], then A @ w with w [K, N] -> [M, N] (and A)."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world * a_shard.shape[0], a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
+    all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
     out = gathered @ w
     return (out, gathered) if return_gathered else out
 
@@ -206,12 +248,12 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
     world = dist.get_world_size(group)
     partial = (a @ w).float()
     out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=torch.float32, device=a.device)
-    dist.reduce_scatter_tensor(out, partial, group=group)
+    reduce_scatter_tensor(out, partial, group=group)
     return out.to(a.dtype)
 
 
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
     """(a [M, K] @ w [K, N]) in a's dtype, summed over ranks in fp32 -> [M, N] on every rank."""
     partial = (a @ w).float()
-    dist.all_reduce(partial, group=group)
+    all_reduce(partial, group=group)
     return partial.to(a.dtype)

@@ -1,8 +1,10 @@
 """NVSHMEM lifetime for a torch.distributed job: init, symmetric tensors, peer pointers, finalize.
 
-One process owns one GPU and one NVSHMEM processing element (PE); PE numbers equal the
-ranks of torch.distributed's default group. Everything here is host code and imports
-nothing else from the package.
+One process owns one NVSHMEM processing element (PE) on one GPU; PE numbers equal the ranks of
+the process group NVSHMEM was started on (the default group unless the first object that starts
+it names another). A job may run more ranks than GPUs (shared-GPU mode: rank r on GPU r % GPUs,
+gloo for the host group, CUDA MPS underneath; ``moe_ep.mps``). Everything here is host code and
+imports nothing else from the package but the standard-library-only ``mps``.
 
     import torch.distributed as dist
     from moe_ep import runtime
@@ -29,8 +31,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import mps
+
 __all__ = [
-    "NvshmemUnavailable", "init_distributed", "finalize_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
+    "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
     "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
     "stream_write_value", "put_on_stream", "CommObject",
 ]
@@ -73,12 +77,13 @@ class CommObject:
         count in the group (grids must be the same on every rank); None for the reference backend."""
         self.group = group
         if backend == "reference":
-            nccl = dist.get_backend(group) == "nccl"
-            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            on_gpu = dist.get_backend(group) == "nccl" or ranks_per_gpu() > 1
+            self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
             return None
         init(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.tensor([torch.cuda.get_device_properties(self.device).multi_processor_count], device=self.device)
+        on = self.device if dist.get_backend(group) == "nccl" else "cpu"   # gloo with several ranks per GPU
+        sms = torch.tensor([usable_sms(self.device)], device=on)
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
         return int(sms.item())
 
@@ -130,7 +135,7 @@ class CommObject:
             raise ValueError(f"{name} must be contiguous")
 
 
-_state = {"initialized": False, "hook_installed": False}
+_state = {"initialized": False, "hook_installed": False, "ranks": (), "group": None}   # group: NVSHMEM's ranks
 _owned: dict[int, torch.Tensor] = {}   # data_ptr -> symmetric tensor this module allocated
 _modules: list[int] = []               # CUmodule handles of compiled kernels that link NVSHMEM
 
@@ -146,9 +151,12 @@ def _nvshmem():
     return core, bindings
 
 
-def init_distributed() -> torch.device:
-    """Start torch.distributed from torchrun's environment: NCCL with one GPU per process
-    (LOCAL_RANK) when GPUs are visible, gloo on CPU otherwise. Returns this process's device.
+def init_distributed(init_method: str | None = None) -> torch.device:
+    """Start torch.distributed from torchrun's environment and return this process's device: with a
+    GPU per rank, NCCL and GPU LOCAL_RANK; with more ranks than GPUs (shared-GPU mode), gloo (NCCL
+    refuses ranks that share a GPU) and GPU LOCAL_RANK % GPUs; without GPUs, gloo on the CPU.
+    `init_method` (e.g. a file:// store) replaces torchrun's rendezvous; RANK and WORLD_SIZE still
+    come from the environment.
 
     torch.distributed.nn is imported first, while no group exists: its functions take
     ``group=group.WORLD`` as a default argument, so imported later (transformers does, when it
@@ -157,15 +165,45 @@ def init_distributed() -> torch.device:
     """
     import torch.distributed.nn  # noqa: F401  (see above)
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    meet = {} if init_method is None else dict(init_method=init_method, rank=int(os.environ["RANK"]),
+                                               world_size=int(os.environ["WORLD_SIZE"]))
+    gpus = torch.cuda.device_count()     # counted without starting CUDA, so the share set below still applies
+    if gpus == 0:
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device)
-        return device
+            dist.init_process_group("gloo", **meet)
+        return torch.device("cpu")
+    shared = ranks_per_gpu() > 1
+    if shared:   # read when CUDA starts in this process (launch.sh sets it before the process starts)
+        os.environ.setdefault(mps.SHARE_VARIABLE, str(mps.share_percent(ranks_per_gpu())))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus)
+    torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return torch.device("cpu")
+        if shared:
+            dist.init_process_group("gloo", **meet)
+        else:
+            dist.init_process_group("nccl", device_id=device, **meet)
+    return device
+
+
+def ranks_per_gpu() -> int:
+    """Ranks of this node that share each visible GPU: 1 with a GPU per rank (or none visible); more in
+    shared-GPU mode, when LOCAL_WORLD_SIZE (torchrun's; else the default group's size) exceeds the GPUs."""
+    gpus = torch.cuda.device_count()
+    fallback = dist.get_world_size() if dist.is_initialized() else 1
+    return mps.ranks_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", fallback)), gpus)
+
+
+def usable_sms(device=None) -> int:
+    """SMs this process's kernels may hold at once: the device's, or in shared-GPU mode this process's
+    share of them (1 / ranks_per_gpu(), or less if CUDA_MPS_ACTIVE_THREAD_PERCENTAGE says so).
+    Persistent grids are sized from this, so that the programs of one rank spinning on a peer's
+    signal can never hold the SMs that the peer's senders need."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    per_gpu = ranks_per_gpu()
+    if per_gpu == 1:
+        return total
+    percent = min(mps.share_percent(per_gpu), int(os.environ.get(mps.SHARE_VARIABLE, 100)))
+    return max(1, total * percent // 100)
 
 
 def is_initialized() -> bool:
@@ -173,34 +211,38 @@ def is_initialized() -> bool:
 
 
 def init(group: dist.ProcessGroup | None = None) -> None:
-    """Start NVSHMEM on every rank of the default process group (collective, idempotent).
+    """Start NVSHMEM over the ranks of `group` (default: the default group); collective over them,
+    idempotent. PE numbers are ranks in that group. One NVSHMEM world per process: every later call
+    (every object on the nvshmem backend) must name a group of the same ranks.
 
-    The unique id is made on rank 0 and broadcast over torch.distributed; each process uses
-    ``torch.cuda.current_device()`` (set it to the local rank before calling).
+    The unique id is made on the group's first rank and broadcast over torch.distributed; each
+    process uses ``torch.cuda.current_device()`` (``init_distributed`` sets it). With several ranks
+    per GPU, the CUDA MPS control daemon must be running (``moe_ep.mps``).
     """
-    if _state["initialized"]:
-        return
     if not dist.is_initialized():
         raise RuntimeError("moe_ep.runtime.init() needs torch.distributed to be initialized first")
-    if group is not None and dist.get_world_size(group) != dist.get_world_size():
-        raise ValueError("NVSHMEM spans the default process group; a subgroup of "
-                         f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks is not supported")
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if _state["initialized"]:
+        if ranks != _state["ranks"]:
+            raise ValueError(f"NVSHMEM already spans ranks {list(_state['ranks'])}, and this process group has ranks "
+                             f"{list(ranks)}: every NVSHMEM object of a process must use a group of the same ranks")
+        return
     if not torch.cuda.is_available():
         raise NvshmemUnavailable("NVSHMEM needs CUDA GPUs; none is visible (use backend='reference' on CPU)")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if torch.cuda.device_count() < local_world:
-        raise NvshmemUnavailable(f"{local_world} ranks on this node but only {torch.cuda.device_count()} "
-                                 "visible GPU(s): NVSHMEM needs one GPU per rank")
+    per_gpu = ranks_per_gpu()
+    if per_gpu > 1 and not mps.running():
+        raise NvshmemUnavailable(f"{per_gpu} ranks share each GPU here, which NVSHMEM can do only under CUDA MPS, "
+                                 f"and no MPS control daemon answers at {mps.pipe_directory()}: {mps.HOW_TO_START}")
     core, _ = _nvshmem()
     from cuda.core import Device
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = Device(torch.cuda.current_device())
     device.set_current()
     uid = [core.get_unique_id(empty=rank != 0)]
-    dist.broadcast_object_list(uid, src=0)
+    dist.broadcast_object_list(uid, src=ranks[0], group=group)
     core.init(device=device, uid=uid[0], rank=rank, nranks=world, initializer_method="uid")
-    _state["initialized"] = True
+    _state.update(initialized=True, ranks=ranks, group=group)
     _install_compile_hook()
     for module in _modules:   # modules compiled before a finalize/init cycle
         _cumodule_init(module)
@@ -215,7 +257,7 @@ def finalize() -> None:
     for t in list(_owned.values()):
         free(t)
     core.finalize()
-    _state["initialized"] = False
+    _state.update(initialized=False, ranks=(), group=None)
 
 
 def finalize_distributed() -> None:
@@ -228,9 +270,9 @@ def finalize_distributed() -> None:
 
 
 def barrier() -> None:
-    """Device-synchronize, then a host barrier over the process group."""
+    """Device-synchronize, then a host barrier over the ranks NVSHMEM spans."""
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier(group=_state["group"])
 
 
 def symmetric_empty(shape, dtype: torch.dtype) -> torch.Tensor:

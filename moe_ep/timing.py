@@ -33,15 +33,20 @@ def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
 
 def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
     """Parse --out DIR and --iters N (default `iters`) and the boolean `flags` (name -> help), make
-    --out, and start torch.distributed with one GPU per process; exit when no GPU is visible."""
+    --out, and start torch.distributed with one GPU per process; exit when no GPU is visible or when
+    ranks share a GPU."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument("--iters", type=int, default=iters)
     for name, text in flags.items():
         parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
+    name = os.path.basename(sys.argv[0])
     if not torch.cuda.is_available():
-        raise SystemExit(f"{os.path.basename(sys.argv[0])} needs GPUs")
+        raise SystemExit(f"{name} needs GPUs")
+    if runtime.ranks_per_gpu() > 1:
+        raise SystemExit(f"{name} refuses shared-GPU mode ({runtime.ranks_per_gpu()} ranks per GPU): ranks that share "
+                         "one GPU's memory and SMs time neither NVLink nor a GPU of their own; run one rank per GPU")
     runtime.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     return args

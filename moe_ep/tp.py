@@ -111,7 +111,7 @@ def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str,
     its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
     which calls this collectively with the same candidates in the same order."""
     times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    reference.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
 
 
@@ -340,7 +340,7 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "never":
-            dist.reduce_scatter_tensor(out, a @ w, group=self.group)
+            reference.reduce_scatter_tensor(out, a @ w, group=self.group)
         elif path == "fused":
             config = tile_config(m // self.world, n, a.element_size())
             self._start("rs_flags", self.world * self._rs_tiles(m, n, config))
@@ -380,7 +380,7 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         if path != "fused":                  # _gemm_ar takes "never" where M * W exceeds max_rows
             out = a @ w
-            dist.all_reduce(out, group=self.group)
+            reference.all_reduce(out, group=self.group)
             return out
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = tile_config(m, n, a.element_size())
@@ -574,5 +574,5 @@ class AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        reference.all_reduce(grad, group=ctx.group)
         return grad, None

@@ -1,7 +1,11 @@
 """Run a test body in `world` spawned processes with torch.distributed (and, on GPU, NVSHMEM) up.
 
     run(fn, world, *args)   # fn(rank, world, *args) in every process; gloo on CPU
-    run(fn, world, *args, gpu=True)   # NCCL, one GPU per process; NVSHMEM is finalized at the end
+    run(fn, world, *args, gpu=True)   # GPU r % GPUs for rank r: NCCL with a GPU per rank, else gloo
+                                      # (shared-GPU mode, under CUDA MPS); NVSHMEM finalized at the end
+
+GPU tests run at each world size of GPU_WORLDS: every visible GPU (up to 8), or on one GPU 2 and 4
+ranks sharing it; MOE_EP_TEST_WORLDS (e.g. "8" or "2,4") overrides.
 
 The processes meet through a file store in a fresh temporary folder (no port to choose, so none
 another job can take first). Everything a process prints, Python or native, goes to its own log.
@@ -17,9 +21,17 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moe_ep import mps, runtime
+
+GPUS = torch.cuda.device_count()
+GPU_WORLDS = [int(w) for w in os.environ.get("MOE_EP_TEST_WORLDS", "").split(",") if w] or (
+    [min(GPUS, 8)] if GPUS >= 2 else [2, 4])
+gpu_worlds = pytest.mark.parametrize("world", GPU_WORLDS)   # a GPU test's world sizes
 
 
 def _worker(fn, rank, world, folder, gpu, args, failed):
@@ -31,15 +43,13 @@ def _worker(fn, rank, world, folder, gpu, args, failed):
     code = 0
     try:
         if gpu:
-            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")
+            per_gpu = mps.ranks_per_gpu(world, GPUS)
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G" if per_gpu == 1 else "2G")
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-            torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", init_method=store, rank=rank, world_size=world,
-                                    device_id=torch.device("cuda", rank))
+            runtime.init_distributed(init_method=store)
         else:
             dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         fn(rank, world, *args)
-        from moe_ep import runtime
         runtime.finalize_distributed()   # NVSHMEM if it started, a barrier, the group
     except BaseException:
         traceback.print_exc()

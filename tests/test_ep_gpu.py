@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 from cases import expert_fn, make_inputs
-from distributed import run
+from distributed import gpu_worlds, run
 from moe_ep import CommTimeoutError, EPAllToAll, reference
 from moe_ep.routing import random_topk
 
 pytestmark = pytest.mark.gpu
-WORLD = min(torch.cuda.device_count(), 8)
 MAX_TOKENS = 160
 TOKENS = [0, 1, 7, 128, MAX_TOKENS]
 # hidden, topk, experts, fp8
@@ -66,9 +65,10 @@ def _sweep(rank, world, configs):
         ep.destroy()
 
 
+@gpu_worlds
 @pytest.mark.parametrize("part", [0, 1])
-def test_dispatch_combine_sweep(part):
-    run(_sweep, WORLD, CONFIGS[part::2], gpu=True, timeout=600)
+def test_dispatch_combine_sweep(part, world):
+    run(_sweep, world, CONFIGS[part::2], gpu=True, timeout=600)
 
 
 def _back_to_back(rank, world):
@@ -85,8 +85,9 @@ def _back_to_back(rank, world):
     ep.destroy()
 
 
-def test_thousand_back_to_back_calls():
-    run(_back_to_back, WORLD, gpu=True, timeout=600)
+@gpu_worlds
+def test_thousand_back_to_back_calls(world):
+    run(_back_to_back, world, gpu=True, timeout=600)
 
 
 def _hooks_graphs_and_errors(rank, world):
@@ -160,8 +161,9 @@ def _hooks_graphs_and_errors(rank, world):
     ep.destroy()
 
 
-def test_hooks_graphs_and_bad_input():
-    run(_hooks_graphs_and_errors, WORLD, gpu=True, timeout=300)
+@gpu_worlds
+def test_hooks_graphs_and_bad_input(world):
+    run(_hooks_graphs_and_errors, world, gpu=True, timeout=300)
 
 
 def _timeout(rank, world):
@@ -175,8 +177,9 @@ def _timeout(rank, world):
     ep.destroy()
 
 
-def test_timeout_raises():
-    run(_timeout, WORLD, gpu=True, timeout=120)
+@gpu_worlds
+def test_timeout_raises(world):
+    run(_timeout, world, gpu=True, timeout=120)
 
 
 def _never_synchronizes(rank, world):
@@ -203,5 +206,6 @@ def _never_synchronizes(rank, world):
     ep.destroy()
 
 
-def test_eager_calls_never_synchronize():
-    run(_never_synchronizes, WORLD, gpu=True, timeout=300)
+@gpu_worlds
+def test_eager_calls_never_synchronize(world):
+    run(_never_synchronizes, world, gpu=True, timeout=300)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run
+from distributed import gpu_worlds, run
 from moe_ep import EPMoE, swap_moe
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 
@@ -252,6 +252,7 @@ def _gpu_models(rank, world, kind):
 
 
 @pytest.mark.gpu
+@gpu_worlds
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_swapped_model_on_gpus(kind):
-    run(_gpu_models, min(torch.cuda.device_count(), 8), kind, gpu=True, timeout=300)
+def test_swapped_model_on_gpus(kind, world):
+    run(_gpu_models, world, kind, gpu=True, timeout=300)

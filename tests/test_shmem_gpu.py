@@ -1,13 +1,15 @@
-"""Every wrapper of moe_ep.shmem exercised by a kernel on 2+ GPUs, and the runtime's lifetime."""
+"""Every wrapper of moe_ep.shmem exercised by a kernel on 2+ ranks, and the runtime's lifetime."""
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from distributed import run
-from moe_ep import runtime, shmem
+from cases import expert_fn, make_inputs
+from distributed import gpu_worlds, run
+from moe_ep import EPAllToAll, reference, runtime, shmem
 
 pytestmark = pytest.mark.gpu
 N = 4096                                               # float32 elements per buffer
@@ -154,8 +156,9 @@ def _wrappers(rank, world):
     runtime.barrier()
 
 
-def test_every_wrapper():
-    run(_wrappers, min(torch.cuda.device_count(), 8), gpu=True, timeout=300)
+@gpu_worlds
+def test_every_wrapper(world):
+    run(_wrappers, world, gpu=True, timeout=300)
 
 
 def _timeout_path(rank, world):
@@ -208,3 +211,36 @@ def _lifetime(rank, world):
 
 def test_init_finalize_twice():
     run(_lifetime, 2, gpu=True, timeout=180)
+
+
+def _subgroups(rank, world):
+    """Each half of the ranks starts an NVSHMEM world of its own (PEs: ranks in the half); EP over a half
+    matches the reference on the same subgroup; a group of other ranks is then refused."""
+    half = world // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world)))]
+    mine = groups[rank >= half]
+    sub_rank, sub_world = dist.get_rank(mine), dist.get_world_size(mine)
+    ep = EPAllToAll(32, 256, 8, 2, group=mine)
+    info = torch.zeros(2, dtype=torch.int32, device="cuda")
+    pe_info_kernel[(1,)](info, extern_libs=runtime.device_library())
+    torch.cuda.synchronize()
+    assert info.tolist() == [sub_rank, sub_world]
+    for seed in range(3):
+        x, ids, weights = make_inputs(sub_rank, [32 - r for r in range(sub_world)], 256, 8, 2, seed, drop=0.2,
+                                      device="cuda")
+        recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+        r_x, r_scales, r_count, r_handle = reference.dispatch(x, ids, weights, num_experts=8, max_tokens=32,
+                                                              fp8_group=128, group=mine)
+        assert torch.equal(recv_count, r_count)
+        valid = torch.arange(recv_x.shape[1], device="cuda")[None, :] < r_count[:, None].long()
+        assert torch.equal(recv_x[valid].view(torch.uint8), r_x[valid].view(torch.uint8))
+        y = ep.combine(expert_fn(recv_x, recv_scales, 128, x.dtype), handle)
+        assert torch.equal(y, reference.combine(expert_fn(r_x, r_scales, 128, x.dtype), r_handle, group=mine))
+    with pytest.raises(ValueError, match="same ranks"):
+        runtime.init()                                   # the default group: other ranks than NVSHMEM's
+    ep.destroy()
+
+
+@gpu_worlds
+def test_nvshmem_over_subgroups(world):
+    run(_subgroups, world, gpu=True, timeout=180)

@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 
 from cases import llama_mlp
-from distributed import run
+from distributed import gpu_worlds, run
 from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
 
 pytestmark = pytest.mark.gpu
-WORLD = min(torch.cuda.device_count(), 8)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # rows per rank (M / W), K, N: small M, M not a multiple of the tile, K not a multiple of BLOCK_K
 SHAPES = [(1, 128, 256), (3, 200, 96), (100, 512, 1000), (128, 1024, 2048), (300, 2048, 4096), (1024, 4096, 4096)]
@@ -50,8 +49,8 @@ def _kernels_match_reference(rank, world, path):
                 close(out, reference.gemm_ar(a, w), dtype,
                       lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
                 if path == "fused":              # the kernel sums in the same order on every rank
-                    every = [torch.empty_like(out) for _ in range(world)]
-                    dist.all_gather(every, out)
+                    every = out.new_empty((world, *out.shape))
+                    reference.all_gather_into_tensor(every, out)
                     assert all(torch.equal(o, out) for o in every), "fused gemm_ar: the ranks' sums differ"
         tp.check()
         tp.destroy()
@@ -164,12 +163,14 @@ def _mlp_matches_unsharded(rank, world):
     comm.destroy()
 
 
+@gpu_worlds
 @pytest.mark.parametrize("path", ["fused", "chunked"])
-def test_kernels_match_reference(path):
-    run(_kernels_match_reference, WORLD, path, gpu=True)
+def test_kernels_match_reference(path, world):
+    run(_kernels_match_reference, world, path, gpu=True)
 
 
 @pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _timeout_raises, _mlp_matches_unsharded],
                          ids=lambda f: f.__name__.strip("_"))
-def test_async_tp(body):
-    run(body, WORLD, gpu=True)
+@gpu_worlds
+def test_async_tp(body, world):
+    run(body, world, gpu=True)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import reference
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
 from ..kernels.quant import quantize_weights_fp8
@@ -284,7 +285,7 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
         block.train(training)
     scale = torch.maximum(expected.norm(), got.norm()).clamp_min(torch.finfo(torch.float32).tiny)
     error = ((got - expected).norm() / scale).reshape(1).to(ep.device)
-    dist.all_reduce(error, op=dist.ReduceOp.MAX, group=layer.group)
+    reference.all_reduce(error, op=dist.ReduceOp.MAX, group=layer.group)
     error, tolerance = error.item(), VERIFY_EPS * torch.finfo(dtype).eps
     if not error <= tolerance:
         raise ValueError(f"swap_moe refuses {what}: the EPMoE differs from it by {error:.3g} (relative L2 error "
