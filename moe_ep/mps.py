@@ -58,10 +58,17 @@ def pipe_directory(env=None) -> Path:
     return Path(env.get(PIPE_VARIABLE) or DEFAULT_PIPE)
 
 
+def listening(env=None) -> bool:
+    """Whether an MPS control daemon's pipe is in the pipe folder of `env` (default: this process's).
+    A cheap check that any number of ranks can make at once."""
+    return (pipe_directory(env) / "control").exists()
+
+
 def running(env=None) -> bool:
-    """Whether an MPS control daemon answers at the pipe folder of `env` (default: this process's)."""
+    """Whether an MPS control daemon answers at the pipe folder of `env` (default: this process's).
+    The control program serves one caller at a time: ask from one process, not from every rank."""
     env = dict(os.environ if env is None else env)
-    if not (pipe_directory(env) / "control").exists():
+    if not listening(env):
         return False
     try:
         answer = subprocess.run([CONTROL], input="get_server_list\n", env=env, capture_output=True, text=True,

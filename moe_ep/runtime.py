@@ -195,15 +195,15 @@ def ranks_per_gpu() -> int:
 
 def usable_sms(device=None) -> int:
     """SMs this process's kernels may hold at once: the device's, or in shared-GPU mode this process's
-    share of them (1 / ranks_per_gpu(), or less if CUDA_MPS_ACTIVE_THREAD_PERCENTAGE says so).
+    share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which init_distributed sets to 1 / ranks_per_gpu() unless
+    given, and which the device count then reflects; without it, the count over ranks_per_gpu()).
     Persistent grids are sized from this, so that the programs of one rank spinning on a peer's
     signal can never hold the SMs that the peer's senders need."""
-    total = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_gpu = ranks_per_gpu()
-    if per_gpu == 1:
-        return total
-    percent = min(mps.share_percent(per_gpu), int(os.environ.get(mps.SHARE_VARIABLE, 100)))
-    return max(1, total * percent // 100)
+    if per_gpu == 1 or mps.SHARE_VARIABLE in os.environ:
+        return sms         # under MPS the device reports the share this process's CUDA context started with
+    return max(1, sms // per_gpu)
 
 
 def is_initialized() -> bool:
@@ -230,7 +230,7 @@ def init(group: dist.ProcessGroup | None = None) -> None:
     if not torch.cuda.is_available():
         raise NvshmemUnavailable("NVSHMEM needs CUDA GPUs; none is visible (use backend='reference' on CPU)")
     per_gpu = ranks_per_gpu()
-    if per_gpu > 1 and not mps.running():
+    if per_gpu > 1 and not mps.listening():
         raise NvshmemUnavailable(f"{per_gpu} ranks share each GPU here, which NVSHMEM can do only under CUDA MPS, "
                                  f"and no MPS control daemon answers at {mps.pipe_directory()}: {mps.HOW_TO_START}")
     core, _ = _nvshmem()

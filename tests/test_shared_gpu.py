@@ -88,21 +88,21 @@ def test_init_distributed_maps_ranks_round_robin(one_gpu, monkeypatch):
 
 
 def test_usable_sms_is_the_share(one_gpu, monkeypatch):
-    for local_world, sms in ((1, 132), (2, 66), (4, 33), (8, 15)):
+    for local_world, sms in ((1, 132), (2, 66), (4, 33), (8, 16)):     # no MPS share given: a part of the count
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
         assert runtime.usable_sms() == sms
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv(mps.SHARE_VARIABLE, "10")               # a smaller share given to MPS wins
-    assert runtime.usable_sms() == 13
+    monkeypatch.setenv(mps.SHARE_VARIABLE, "12")               # given: the device reports the share (seen on an H200)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=16))
+    assert runtime.usable_sms() == 16
 
 
 def test_running_asks_the_daemon(fake_control, tmp_path, monkeypatch):
     pipe = tmp_path / "pipe"
     pipe.mkdir()
     monkeypatch.setenv(mps.PIPE_VARIABLE, str(pipe))
-    assert not mps.running()                                   # no control pipe
+    assert not mps.running() and not mps.listening()          # no control pipe
     (pipe / "control").touch()
-    assert mps.running()
+    assert mps.running() and mps.listening()
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))          # no control program at all
     assert not mps.running()
 
