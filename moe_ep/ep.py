@@ -100,7 +100,7 @@ class EPAllToAll(runtime.CommObject):
         hidden: H; a multiple of ``fp8_group`` with FP8 dispatch, of 8 without.
         num_experts: E, a multiple of the world size; rank r owns experts [r*E/W, (r+1)*E/W).
         topk: K, 1..16.
-        group: the process group (NVSHMEM backend: the whole default group).
+        group: the process group (NVSHMEM backend: NVSHMEM spans its ranks; one such group per process).
         dtype: dtype of x, of expert_out and of combine's output.
         fp8_dispatch: quantize tokens to FP8 e4m3 (per ``fp8_group`` columns) inside dispatch.
         backend: "nvshmem" (Triton kernels over NVLink) or "reference" (torch.distributed).

@@ -47,15 +47,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _collective(op, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
-    """op(*outputs, *inputs, group=group, **options); with GPU tensors on a gloo group, on host copies
-    whose results are copied back into `outputs`."""
+def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
+    """collective(*outputs, *inputs, group=group, **options); with GPU tensors on a gloo group, on host
+    copies whose results are copied back into `outputs`."""
     tensors = outputs + inputs
     if not any(t.is_cuda for t in tensors) or dist.get_backend(group) != "gloo":
-        op(*tensors, group=group, **options)
+        collective(*tensors, group=group, **options)
         return
     host = [t.cpu() for t in tensors]
-    op(*host, group=group, **options)
+    collective(*host, group=group, **options)
     for t, h in zip(outputs, host):
         t.copy_(h)
 

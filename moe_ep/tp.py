@@ -122,7 +122,7 @@ class AsyncTP(runtime.CommObject):
     Args:
         max_rows: most rows M of any call (the gathered A, the un-scattered output).
         max_features: most K of an ag_gemm call and most N of a gemm_rs or gemm_ar call.
-        group: the process group (NVSHMEM backend: the whole default group).
+        group: the process group (NVSHMEM backend: NVSHMEM spans its ranks; one such group per process).
         dtype: dtype of every operand and output (bfloat16, float16 or float32).
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
         overlap: "auto", "fused", "chunked" or "never" (see the module docstring).

@@ -1,10 +1,11 @@
 """The reference backend (torch.distributed all_to_all_single) against a token-by-token oracle, on gloo."""
 import pytest
 import torch
+import torch.distributed as dist
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from distributed import run
-from moe_ep import EPAllToAll
+from moe_ep import EPAllToAll, reference
 
 # (tokens per rank, hidden, experts, topk, fp8 group or None, drop, one_expert)
 CASES = [
@@ -55,3 +56,29 @@ def test_reference_round_trip(world, case):
 
 def test_reference_round_trips_at_8_ranks():
     run(_round_trips, 8, CASES)              # one job for every case: starting 8 processes is the slow part
+
+
+def _collectives(rank, world):
+    """moe_ep.reference's collectives against the results they must give (gloo, CPU tensors)."""
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    total = x.clone()
+    reference.all_reduce(total)
+    assert torch.equal(total, sum(torch.arange(4, dtype=torch.float32) + 10 * r for r in range(world)))
+    biggest = x.clone()
+    reference.all_reduce(biggest, op=dist.ReduceOp.MAX)
+    assert torch.equal(biggest, torch.arange(4, dtype=torch.float32) + 10 * (world - 1))
+    gathered = torch.empty(world * 4)
+    reference.all_gather_into_tensor(gathered, x)
+    assert torch.equal(gathered, torch.cat([torch.arange(4, dtype=torch.float32) + 10 * r for r in range(world)]))
+    rows = torch.arange(world * 2, dtype=torch.float32) * (rank + 1)
+    mine = torch.empty(2)
+    reference.reduce_scatter_tensor(mine, rows)
+    assert torch.equal(mine, torch.arange(rank * 2, rank * 2 + 2, dtype=torch.float32) * sum(range(1, world + 1)))
+    sent = torch.full((world,), float(rank))
+    received = torch.empty(world)
+    reference.all_to_all_single(received, sent)
+    assert torch.equal(received, torch.arange(world, dtype=torch.float32))
+
+
+def test_collectives():
+    run(_collectives, 3)
