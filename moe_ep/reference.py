@@ -37,6 +37,10 @@ import torch.distributed as dist
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def quantize_fp8(x: torch.Tensor, group: int = 128):
     """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, H // group] float32); x ~= q * scale.
@@ -196,7 +200,7 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, return_gathered:
     """all_gather of the row shards [M/tp, K] -> A [M, K], then A @ w with w [K, N] -> [M, N] (and A)."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world * a_shard.shape[0], a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
+    all_gather_single(gathered, a_shard.contiguous(), group=group)
     out = gathered @ w
     return (out, gathered) if return_gathered else out
 
@@ -206,7 +210,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None) -> torch.Tensor:
     world = dist.get_world_size(group)
     partial = (a @ w).float()
     out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=torch.float32, device=a.device)
-    dist.reduce_scatter_tensor(out, partial, group=group)
+    reduce_scatter_single(out, partial, group=group)
     return out.to(a.dtype)
 
 
