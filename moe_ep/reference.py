@@ -38,8 +38,8 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; older torch has only those.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def quantize_fp8(x: torch.Tensor, group: int = 128):
