@@ -37,7 +37,8 @@ import torch.distributed as dist
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
-# torch 2.13 renamed the single-tensor collectives and deprecated the old names; older torch has only those.
+# Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
+# older torch has only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
