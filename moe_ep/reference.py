@@ -43,7 +43,9 @@ AMAX_FLOOR = 1e-4
 # torch.distributed's, for tensors on any device and any group backend. NCCL cannot run with several
 # ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as host copies.
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # newer torch's name first
+# Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
+# older torch has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 

@@ -52,6 +52,15 @@ def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
     return args
 
 
+def why_untimed(device: torch.device) -> str | None:
+    """Why timings taken on `device` in this job would mislead, or None when they would not."""
+    if device.type != "cuda":
+        return "gloo on CPU says nothing about GPU speed"
+    if runtime.ranks_per_gpu() > 1:
+        return f"{runtime.ranks_per_gpu()} ranks share each GPU, so times say nothing about NVLink or one GPU's speed"
+    return None
+
+
 def environment() -> dict:
     """Where a benchmark ran: device, world size, date, torch and triton versions."""
     return {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(),

@@ -56,9 +56,9 @@ for part in $parts; do
     tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;
     tests_cpu) step pytest_cpu 540 python3 -m pytest -q -rs -m "not gpu" tests ;;
     tutorials) step tutorial01 60 bash launch.sh --nproc "$ranks" tutorials/01-ring-exchange.py
-               step tutorial04 90 bash launch.sh --nproc "$ranks" tutorials/04-ep-all-to-all.py
-               step tutorial05 120 bash launch.sh --nproc "$ranks" tutorials/05-swap-moe-into-a-model.py
-               step tutorial06 120 bash launch.sh --nproc "$ranks" tutorials/06-async-tp.py ;;
+               step tutorial02 90 bash launch.sh --nproc "$ranks" tutorials/02-ep-all-to-all.py
+               step tutorial03 120 bash launch.sh --nproc "$ranks" tutorials/03-swap-moe-into-a-model.py
+               step tutorial04 120 bash launch.sh --nproc "$ranks" tutorials/04-async-tp.py ;;
     sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py -k sweep ;;
     bench_ep) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep --breakdown ;;
     bench_moe) step bench_moe_layer 240 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;

@@ -9,11 +9,18 @@ GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
 
 
 def _config_errors(rank, world):
-    bad = [dict(topk=0), dict(topk=17), dict(num_experts=7), dict(max_tokens=0), dict(hidden=200),
-           dict(hidden=100, fp8_dispatch=False), dict(fp8_group=96), dict(dtype=torch.int32),
-           dict(backend="mpi"), dict(timeout_s=0)]
-    for change in bad:
-        with pytest.raises(ValueError):
+    bad = [(dict(topk=0), r"topk must be an int in \[1, 16\], got 0"),
+           (dict(topk=17), r"topk must be an int in \[1, 16\], got 17"),
+           (dict(num_experts=7), "num_experts=7 is not a multiple of the world size 2"),
+           (dict(max_tokens=0), "max_tokens must be a positive int, got 0"),
+           (dict(hidden=200), "hidden=200 is not a multiple of fp8_group=128"),
+           (dict(hidden=100, fp8_dispatch=False), "hidden=100 must be a multiple of 8"),
+           (dict(fp8_group=96), "fp8_group must be a power of two >= 16, got 96"),
+           (dict(dtype=torch.int32), "dtype must be bfloat16, float16 or float32, got torch.int32"),
+           (dict(backend="mpi"), "backend must be one of .*, got 'mpi'"),
+           (dict(timeout_s=0), "timeout_s must be positive, got 0")]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
             EPAllToAll(**{**GOOD, **change, "backend": change.get("backend", "reference")})
 
 

@@ -122,8 +122,11 @@ def _hooks_graphs_and_errors(rank, world):
     # Bad input: ValueError before any launch, earlier results untouched, the next call fine.
     recv_x, _, recv_count, _ = ep.dispatch(*a)
     kept, calls = recv_x.clone(), dict(ep._calls)
-    for bad in ((a[0].float(), a[1], a[2]), (a[0].cpu(), a[1], a[2]), (a[0], a[1][:, :1].contiguous(), a[2])):
-        with pytest.raises(ValueError):
+    bad_inputs = {"x has dtype torch.float32": (a[0].float(), a[1], a[2]),
+                  "x is on cpu": (a[0].cpu(), a[1], a[2]),
+                  r"topk_ids has shape \(\d+, 1\)": (a[0], a[1][:, :1].contiguous(), a[2])}
+    for message, bad in bad_inputs.items():
+        with pytest.raises(ValueError, match=message):
             ep.dispatch(*bad)
     torch.cuda.synchronize()
     assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and ep._calls == calls

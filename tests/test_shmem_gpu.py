@@ -198,7 +198,7 @@ def _lifetime(rank, world):
         torch.cuda.synchronize()
         assert info.tolist() == [rank, world]
         runtime.free(kept)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="freed already"):
             runtime.free(kept)
         runtime.finalize()
         runtime.finalize()                               # idempotent

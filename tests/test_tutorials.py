@@ -27,6 +27,7 @@ def test_tutorial_runs_on_cpu(name, tmp_path):
     assert result.returncode == 0, (f"exit code {result.returncode}\n--- launcher ---\n{result.stdout}{result.stderr}"
                                     + rank_logs(tmp_path))
     assert "reference path" in result.stdout          # launch.sh said it fell back to CPU; the tutorial checked itself
+    assert "Warning:" not in result.stdout + result.stderr, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the gloo (CPU) path")

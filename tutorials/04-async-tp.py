@@ -1,8 +1,8 @@
 """
-Tutorial 06: async tensor parallelism, the all-gather and reduce-scatter hidden behind the GEMMs
+Tutorial 04: async tensor parallelism, the all-gather and reduce-scatter hidden behind the GEMMs
 ===============================================================================================
 
-    bash launch.sh tutorials/06-async-tp.py
+    bash launch.sh tutorials/04-async-tp.py
 
 With tensor and sequence parallelism, each of W ranks holds M/W rows of the activations.
 A Llama-style MLP then needs, per layer:
@@ -33,8 +33,9 @@ all-reduces the down projection's output instead (``AsyncTP.gemm_ar``).
 
 This tutorial shards the MLP of a ``transformers`` Llama with ``TPMLP.from_mlp``, checks its
 output and its gradients against the unsharded module, runs a decode step without sequence
-parallelism, and times the overlapped layer against the plain path (NCCL, then cuBLAS).
-Without GPUs it runs the reference path on gloo.
+parallelism, and, on GPUs, times the overlapped layer against the plain path (NCCL, then cuBLAS).
+Without GPUs it runs the reference path on gloo and times nothing: gloo on CPU says nothing about
+GPU speed.
 """
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from moe_ep import TPMLP, AsyncTP, runtime
-from moe_ep.timing import median_us
+from moe_ep.timing import median_us, why_untimed
 
 
 def main():
@@ -86,7 +87,8 @@ def main():
         torch.testing.assert_close(decode(x[:4]), mlp(x[:4]), rtol=tol, atol=tol)
     print(f"rank {rank}: decode step (4 tokens, no sequence parallelism) matches")
 
-    if gpu:
+    skipped = why_untimed(device)
+    if skipped is None:
         plain = TPMLP.from_mlp(mlp)                              # comm=None: NCCL then cuBLAS
         times = {}
         with torch.no_grad():
@@ -99,6 +101,9 @@ def main():
                   + ", ".join(f"{k} {v:.0f} us" for k, v in times.items())
                   + f" (plain / auto = {times['plain'] / times['auto']:.2f}x; "
                   "benchmarks/bench_tp.py has the per-GEMM comparison)")
+    elif rank == 0:
+        print(f"timing skipped: {skipped}")
+    if gpu:
         comm.destroy()
 
 

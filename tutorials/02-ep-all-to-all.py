@@ -1,8 +1,8 @@
 """
-Tutorial 04: expert-parallel dispatch and combine
+Tutorial 02: expert-parallel dispatch and combine
 =================================================
 
-    bash launch.sh tutorials/04-ep-all-to-all.py
+    bash launch.sh tutorials/02-ep-all-to-all.py
 
 A mixture-of-experts layer with E experts spread over W ranks moves every token to the
 ranks that own its top-k experts (dispatch), runs the experts there, and brings the
@@ -19,14 +19,15 @@ layer shape and launches the kernels:
 
 This tutorial runs one step with a toy expert (dequantize, scale by expert), checks it
 against ``moe_ep.reference`` (the same contract on ``torch.distributed.all_to_all_single``)
-and times both. Without GPUs, the reference backend runs on gloo.
+and, on GPUs, times dispatch and combine. Without GPUs the reference backend runs on gloo and
+nothing is timed: gloo on CPU says nothing about GPU speed.
 """
 import torch
 import torch.distributed as dist
 
 from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.reference import dequantize_fp8
-from moe_ep.timing import median_us
+from moe_ep.timing import median_us, why_untimed
 
 
 def toy_experts(recv_x, recv_scales, recv_count):
@@ -57,9 +58,10 @@ def main():
     assert torch.equal(recv_count, r_count) and torch.equal(y, y_ref)
     once, per_expert = link_copies(topk_ids, ep.experts_per_rank, rank, world)
     print(f"rank {rank}: {int(recv_count.sum())} expert rows received; combine matches the reference; "
-          f"{once} token copies left this GPU (one per (token, expert) would be {per_expert})")
+          f"{once} token copies left this rank (one per (token, expert) would be {per_expert})")
 
-    if device.type == "cuda":
+    skipped = why_untimed(device)
+    if skipped is None:
         out = toy_experts(recv_x, recv_scales, recv_count)
         dispatch_us = median_us(lambda: ep.dispatch(x, topk_ids, topk_weights))
         *_, handle = ep.dispatch(x, topk_ids, topk_weights)
@@ -67,6 +69,8 @@ def main():
         if rank == 0:
             print(f"dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
                   f"(eager, CUDA events; benchmarks/bench_all_to_all.py has the full comparison)")
+    elif rank == 0:
+        print(f"timing skipped: {skipped}")
     ep.destroy()
 
 
