@@ -18,7 +18,7 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
-perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
+perfect overlap. The cost model's predictions (moe_ep.tp_cost.predicted_us) are printed beside.
 Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
 says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where this torch has it).
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference, runtime
 from moe_ep.kernels.matmul import matmul, tile_config
-from moe_ep.tp import predicted_us
+from moe_ep.tp_cost import predicted_us
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 # prefill (a-d), then decode (M = 128 and 512 tokens)

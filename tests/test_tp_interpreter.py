@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import matmul, tile_config
+from moe_ep.kernels.matmul import VARIANTS, matmul, tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -60,16 +60,16 @@ def test_all_gather_gemm(case, path):
         shards = [torch.randn(rows, k, generator=g).to(dtype) for _ in range(world)]
         ws = weights(world, k, n, dtype, transposed, seed=10 + call)
         for tp in ranks:
-            tp._symmetric["ag_flags"].zero_()
+            tp.buffers.shard_flags.zero_()
         for r, tp in enumerate(ranks):
             tp._ag_push(shards[r], own_copy=True)
         outs = [getattr(tp, f"_ag_{path}")(shards[r], ws[r]) for r, tp in enumerate(ranks)]
         full = torch.cat(shards).double()
         for r, tp in enumerate(ranks):
-            assert torch.equal(tp._symmetric["gathered"][:world * rows * k].view(-1, k), torch.cat(shards))
+            assert torch.equal(tp.buffers.gathered[:world * rows * k].view(-1, k), torch.cat(shards))
             tol = 1e-4 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(outs[r].double(), full @ ws[r].double(), rtol=tol, atol=tol)
-            assert tp._symmetric["ag_flags"].tolist() == [int(s != r) for s in range(world)]
+            assert tp.buffers.shard_flags.tolist() == [int(s != r) for s in range(world)]
             assert not tp._status.any()
 
 
@@ -85,7 +85,7 @@ def run_gemm_rs(ranks, a, ws, path):
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
     config = tile_config(m // world, n, a[0].element_size())
     for tp in ranks:
-        tp._symmetric["rs_flags"].zero_()
+        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every partial bound for a peer
         if path == "fused":
@@ -126,7 +126,7 @@ def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
     shards = [torch.randn(4, 16) for _ in ranks]
     w = torch.randn(16, 8)
     for tp in ranks:
-        tp._symmetric["ag_flags"].zero_()
+        tp.buffers.shard_flags.zero_()
     ranks[0]._ag_push(shards[0], own_copy=False)             # rank 1 never pushes
     getattr(ranks[0], f"_ag_{path}")(shards[0], w)
     with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank 1"):
@@ -140,7 +140,7 @@ def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
 def test_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
-    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0].buffers.tile_flags.zero_()
     ranks[0]._rs_reduce_chunked(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
         ranks[0].check()
@@ -150,7 +150,7 @@ def run_gemm_ar(ranks, a, ws):
     m, n = a[0].shape[0], ws[0].shape[1]
     config = tile_config(m, n, a[0].element_size())
     for tp in ranks:
-        tp._symmetric["rs_flags"].zero_()
+        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every tile published to every rank
         tp._ar_launch(a[r], ws[r], outs[r], config, publish=True, reduce=False)
@@ -189,22 +189,36 @@ def test_gemm_all_reduce(case):
 def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0].buffers.tile_flags.zero_()
     ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
 
 
-# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_tp.py holds against cuBLAS)
-MATMUL_CASES = [(150, 64, 300, torch.float32, False), (70, 40, 130, torch.float32, True),
-                (1, 48, 20, torch.float32, False), (33, 64, 96, torch.float16, True)]
+# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_gemm.py holds against cuBLAS)
+MATMUL_CASES = [(150, 64, 300, torch.float32, False),   # two row tiles, three column tiles
+                (70, 40, 136, torch.float32, True),     # K not a multiple of BLOCK_K, w through .t()
+                (1, 48, 20, torch.float32, False),      # one row
+                (33, 64, 96, torch.float16, True),      # (the interpreter computes bf16 dots wrongly; fp16 stands in)
+                (0, 64, 96, torch.float32, False)]      # no rows
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
-def test_matmul(case):
+def test_matmul(case, variant):
     m, k, n, dtype, transposed = MATMUL_CASES[case]
     g = torch.Generator().manual_seed(case)
     a = torch.randn(m, k, generator=g).to(dtype)
     w = weights(1, k, n, dtype, transposed, seed=40 + case)[0]
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(matmul(a, w, programs=3).double(), a.double() @ w.double(), rtol=tol, atol=tol)
+    out = matmul(a, w, programs=3, variant=variant)
+    torch.testing.assert_close(out.double(), a.double() @ w.double(), rtol=tol, atol=tol)
+
+
+def test_matmul_descriptors_refuse_what_tma_cannot_address():
+    a, w = torch.randn(8, 40), torch.randn(40, 130)           # out's rows: 130 * 4 bytes, not a multiple of 16
+    assert torch.allclose(matmul(a, w, programs=3), a @ w, atol=1e-4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        matmul(a, w, programs=3, variant="tma")
+    with pytest.raises(ValueError, match="variant"):
+        matmul(a, w, programs=3, variant="cublas")

@@ -25,7 +25,8 @@ Reference: ``moe_ep.reference.gemm_ar`` (the same partials, rounded the same way
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add, wait_until_ge
+from ..shmem import signal_add
+from .gemm_rs import sum_peer_tiles
 from .matmul import matmul_tile, tile_coords
 
 TAG_TILE = tl.constexpr(7)
@@ -66,12 +67,7 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
                 signal_add(peer_flags + rank * tiles + t, 1)
         if REDUCE:
             tl.debug_barrier()                       # this program's stores to its own slot, before its loads
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for src in range(0, world):
-                if src != rank:
-                    if failed == 0:
-                        landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG_TILE,
-                                               state + pid)
-                        failed = tl.where(landed, 0, 1)
-                total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+            total, failed = sum_peer_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), partials, slab, offsets, mask,
+                                           flags, tiles, t, rank, world, timeout_ns, status, state + pid, failed,
+                                           TAG_TILE, True)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)

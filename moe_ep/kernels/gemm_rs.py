@@ -28,7 +28,27 @@ from ..shmem import signal_add, wait_until_ge
 from .matmul import matmul_tile, tile_coords
 
 TAG_TILE = tl.constexpr(6)
-TAGS = {6: "GEMM reduce-scatter (waiting for a peer's partials)"}
+TAGS = {TAG_TILE.value: "GEMM reduce-scatter (waiting for a peer's partials)"}
+
+
+@triton.jit
+def sum_peer_tiles(total, partials, slab, offsets, mask, flags, tiles, t, rank, world, timeout_ns, status,
+                   state, failed, TAG: tl.constexpr, WITH_OWN: tl.constexpr):
+    """total [BLOCK_M, BLOCK_N] fp32 + the same tile of every rank's slot of `partials`, in rank order,
+    each peer's once its flag has landed; the own slot too when WITH_OWN (it is in `partials` then).
+
+    partials [world, slab] (this rank's symmetric copy; `offsets`/`mask` pick the tile in a slab);
+    flags [world, tiles] int64, flag (src, t) is 1 once rank src's tile t has landed. `failed` is 1
+    once a wait of this program has timed out: later waits are skipped, as the status already holds
+    the error. Returns (total, failed). Used by GEMM reduce-scatter and GEMM all-reduce."""
+    for src in range(0, world):
+        if src != rank:
+            if failed == 0:
+                landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG, state)
+                failed = tl.where(landed, 0, 1)
+        if WITH_OWN or src != rank:
+            total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+    return total, failed
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
@@ -69,14 +89,8 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
             signal_add(peer_flags + rank * per_shard + t, 1)
         else:
-            total = part.to(tl.float32)              # one fp32 tile live: the own partial, then the peers'
-            for src in range(0, world):
-                if src != rank:
-                    if failed == 0:
-                        landed = wait_until_ge(flags + src * per_shard + t, 1, timeout_ns, status, src, TAG_TILE,
-                                               state + pid)
-                        failed = tl.where(landed, 0, 1)
-                    total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+            total, failed = sum_peer_tiles(part.to(tl.float32), partials, slab, offsets, mask, flags, per_shard, t,
+                                           rank, world, timeout_ns, status, state + pid, failed, TAG_TILE, False)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
 
 

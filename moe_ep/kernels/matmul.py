@@ -1,8 +1,21 @@
 """What the async-TP GEMMs (``ag_gemm``, ``gemm_rs``, ``gemm_ar``) share: the tile loop, the tile
 order inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded
 wait that a stream can be held on between two cuBLAS calls). ``matmul`` is their GEMM alone, with
-no communication: what benchmarks/bench_tp.py holds against cuBLAS (the fused paths can only win
-where it comes close).
+no communication: what benchmarks/bench_gemm.py and bench_tp.py hold against cuBLAS (the fused
+paths can only win where it comes close).
+
+A tile is computed one of two ways (``VARIANTS``):
+  - pointer loads (``matmul_tile``): Triton pipelines them as cp.async copies into shared memory;
+  - tensor descriptors (``matmul_tile_tma``): Hopper's TMA engine copies whole [BLOCK, BLOCK_K]
+    boxes, zero-filling past the edges, with no address arithmetic in the registers the wgmma
+    accumulator needs; the output tile is stored through a descriptor as well (clipped at the
+    edges). The weight's descriptor is over w [K, N] when its rows are contiguous, or over
+    w.T [N, K] (nn.Linear's weight, seen through .t()) whose [BLOCK_N, BLOCK_K] box is transposed
+    in shared memory for the dot.
+The descriptor variants optionally flatten the tile loop and the K loop into one pipelined loop
+(the next tile's loads start during this tile's last dots) or warp-specialize it (producer warps
+issue the copies, consumer warps the dots). Until bench_gemm.py has measured them on Hopper they
+are candidates: DEFAULT_VARIANT stays the pointer loop.
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -15,6 +28,7 @@ part of the protocol between ranks (GEMM-RS signals one flag per tile).
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import shmem
 from ..shmem import wait_until_ge
@@ -64,6 +78,24 @@ def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
 
 
 @triton.jit
+def matmul_tile_tma(a_desc, row, b_desc, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile A[row:row + BLOCK_M, :K] @ B[:K, col:col + BLOCK_N] through tensor
+    descriptors: a_desc over A [*, K] with boxes [BLOCK_M, BLOCK_K]; b_desc over B [K, N] with boxes
+    [BLOCK_K, BLOCK_N], or (B_KMAJOR) over B.T [N, K] with boxes [BLOCK_N, BLOCK_K]. Rows, columns
+    and K past a descriptor's shape load as zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x = a_desc.load([row, k * BLOCK_K])
+        if B_KMAJOR:
+            y = b_desc.load([col, k * BLOCK_K]).T
+        else:
+            y = b_desc.load([k * BLOCK_K, col])
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
 def reset_and_barrier_kernel(flags, count, BLOCK: tl.constexpr):
     """Zero this rank's `count` int64 arrival flags, then a barrier over all ranks (one program).
 
@@ -86,8 +118,23 @@ def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl
     wait_until_ge(flags + index, 1, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), peer, TAG, state)
 
 
+# How the tile loop loads and schedules (see the module docstring). TMA: tensor descriptors;
+# FLATTEN / WARP_SPECIALIZE: the options of tl.range on the tile loop.
+VARIANTS = {
+    "pointer": dict(TMA=False, FLATTEN=False, WARP_SPECIALIZE=False),
+    "tma": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=False),
+    "tma_flat": dict(TMA=True, FLATTEN=True, WARP_SPECIALIZE=False),
+    "tma_ws": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=True),
+}
+DEFAULT_VARIANT = "pointer"
+
+
 def tile_config(rows: int, n: int, element_size: int) -> dict:
-    """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank)."""
+    """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank).
+
+    128 x 256 x 64 bf16 tiles with 8 warps (two warpgroups of wgmma, 128 fp32 accumulator registers
+    a thread) and 3 stages: 3 x 48 KB of operands plus the 64 KB output tile of a TMA store fit
+    Hopper's 227 KB of shared memory, a fourth stage does not."""
     block_m = 128 if rows > 64 else 64
     block_n = 256 if n >= 2048 and element_size == 2 else 128
     block_k = 64 if element_size == 2 else 32
@@ -98,27 +145,69 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
 @triton.jit(do_not_specialize=["M", "programs"])
 def matmul_kernel(a, w, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EVEN_K: tl.constexpr):
-    """out [M, N] = a [M, K] @ w [K, N] (any strides), the persistent tile loop of the fused kernels."""
+                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr):
+    """out [M, N] = a [M, K] @ w [K, N], the persistent tile loop of the fused kernels.
+
+    Pointers (a row-major, w any strides), or with TMA tensor descriptors: a [M, K] in boxes
+    [BLOCK_M, BLOCK_K], out [M, N] in boxes [BLOCK_M, BLOCK_N], w [K, N] in boxes [BLOCK_K, BLOCK_N]
+    or, W_KMAJOR, w.T [N, K] in boxes [BLOCK_N, BLOCK_K]."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for t in range(tl.program_id(0), tiles_m * tiles_n, programs):
+    for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        if TMA:
+            acc = matmul_tile_tma(a, pid_m * BLOCK_M, w, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
+            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
+        else:
+            acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N,
+                              BLOCK_K, EVEN_K)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None) -> torch.Tensor:
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A tensor descriptor of the 2-D t in boxes `block`; ValueError where TMA cannot address t
+    (its last dimension strided, its start or row stride not a multiple of 16 bytes, or empty)."""
+    if not (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+            and t.numel() > 0):
+        raise ValueError(f"a tensor descriptor needs a non-empty tensor with contiguous rows, 16-byte aligned "
+                         f"in start and row stride: got {tuple(t.shape)} with strides {t.stride()}")
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def weight_descriptor(w: torch.Tensor, block_k: int, block_n: int) -> tuple[TensorDescriptor, bool]:
+    """A tensor descriptor of w [K, N] for matmul_tile_tma, and whether it is K-major (over w.T):
+    w's rows contiguous (w [K, N] row-major) or its columns (nn.Linear's weight [N, K] seen through .t())."""
+    if w.stride(1) == 1:
+        return descriptor(w, [block_k, block_n]), False
+    return descriptor(w.t(), [block_n, block_k]), True
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None,
+           variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
-    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count)."""
+    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count), the
+    tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
+    multiples of 8 in bf16) and w with contiguous rows or columns."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     (m, k), n = a.shape, w.shape[1]
     config = config or tile_config(m, n, a.element_size())
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if 0 in (m, n, k):
+        return out.zero_()
+    options = VARIANTS[variant]
+    a_arg, w_arg, out_arg, w_kmajor = a, w, out, False
+    if options["TMA"]:
+        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+        a_arg, out_arg = descriptor(a, [bm, bk]), descriptor(out, [bm, bn])
+        w_arg, w_kmajor = weight_descriptor(w, bk, bn)
     grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
-    matmul_kernel[(max(grid, 1),)](a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), grid,
-                                   EVEN_K=k % config["BLOCK_K"] == 0, **config)
+    matmul_kernel[(grid,)](a=a_arg, w=w_arg, out=out_arg, M=m, N=n, K=k, stride_am=a.stride(0),
+                           stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
+                           EVEN_K=k % config["BLOCK_K"] == 0, W_KMAJOR=w_kmajor, **options, **config)
     return out
