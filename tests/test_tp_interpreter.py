@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import VARIANTS, matmul, tile_config
+from moe_ep.kernels.matmul import tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -193,32 +193,3 @@ def test_all_reduce_partials_that_never_land_time_out():
     ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
-
-
-# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_gemm.py holds against cuBLAS)
-MATMUL_CASES = [(150, 64, 300, torch.float32, False),   # two row tiles, three column tiles
-                (70, 40, 136, torch.float32, True),     # K not a multiple of BLOCK_K, w through .t()
-                (1, 48, 20, torch.float32, False),      # one row
-                (33, 64, 96, torch.float16, True),      # (the interpreter computes bf16 dots wrongly; fp16 stands in)
-                (0, 64, 96, torch.float32, False)]      # no rows
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
-def test_matmul(case, variant):
-    m, k, n, dtype, transposed = MATMUL_CASES[case]
-    g = torch.Generator().manual_seed(case)
-    a = torch.randn(m, k, generator=g).to(dtype)
-    w = weights(1, k, n, dtype, transposed, seed=40 + case)[0]
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    out = matmul(a, w, programs=3, variant=variant)
-    torch.testing.assert_close(out.double(), a.double() @ w.double(), rtol=tol, atol=tol)
-
-
-def test_matmul_descriptors_refuse_what_tma_cannot_address():
-    a, w = torch.randn(8, 40), torch.randn(40, 130)           # out's rows: 130 * 4 bytes, not a multiple of 16
-    assert torch.allclose(matmul(a, w, programs=3), a @ w, atol=1e-4)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        matmul(a, w, programs=3, variant="tma")
-    with pytest.raises(ValueError, match="variant"):
-        matmul(a, w, programs=3, variant="cublas")
