@@ -53,7 +53,8 @@ from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_ar as ar_kernels
 from .kernels import gemm_rs as rs_kernels
-from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
+from .kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
+                             reset_and_barrier_kernel, tile_config, wait_flag_kernel)
 from .timing import median_us
 from .tp_autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .tp_cost import candidate_paths, measured_choice
@@ -93,16 +94,19 @@ class AsyncTP(runtime.CommObject):
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
         overlap: "auto", "fused", "chunked" or "never" (see the module docstring).
         timeout_s: bound of every device-side wait.
+        tile_loop: how the fused kernels load their operands, one of ``kernels.matmul.FUSED_VARIANTS``
+            ("pointer", or "tma": tensor descriptors, which need a and w with 16-byte aligned rows).
     """
 
     TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
-                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
+                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0,
+                 tile_loop: str = DEFAULT_VARIANT):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_rows, max_features, dtype, backend,
-                        overlap, timeout_s)
+                        overlap, timeout_s, tile_loop)
         sms = self._open(group, backend)
         if sms is None:
             return
@@ -114,7 +118,8 @@ class AsyncTP(runtime.CommObject):
 
     # ------------------------------------------------------------------------------------ setup
 
-    def _configure(self, world, rank, max_rows, max_features, dtype, backend, overlap, timeout_s) -> None:
+    def _configure(self, world, rank, max_rows, max_features, dtype, backend, overlap, timeout_s,
+                   tile_loop: str = DEFAULT_VARIANT) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if overlap not in OVERLAP:
@@ -131,9 +136,11 @@ class AsyncTP(runtime.CommObject):
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if tile_loop not in FUSED_VARIANTS:
+            raise ValueError(f"tile_loop must be one of {FUSED_VARIANTS}, got {tile_loop!r}")
         self.world, self.rank = world, rank
         self.max_rows, self.max_features, self.dtype = max_rows, max_features, dtype
-        self.backend, self.overlap, self.timeout_s = backend, overlap, timeout_s
+        self.backend, self.overlap, self.timeout_s, self.tile_loop = backend, overlap, timeout_s, tile_loop
         self._symmetric: dict[str, torch.Tensor] = {}
         self.buffers: TPBuffers | None = None
         self._broken: str | None = None
@@ -257,11 +264,15 @@ class AsyncTP(runtime.CommObject):
         config = tile_config(rows, n, a_shard.element_size())
         tiles = self.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         programs = min(self._programs, tiles)
+        descriptors = self._descriptors(a_shard, w, config)
+        gathered = self.buffers.gathered[:self.world * rows * k].view(self.world * rows, k)
+        descriptors["gathered_desc"] = (descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]])
+                                        if descriptors["TMA"] else None)
         ag_kernels.ag_gemm_kernel[(programs,)](
             a_local=a_shard, gathered=self.buffers.gathered, w=w, out=out, flags=self.buffers.shard_flags,
             state=self._state, status_addr=self._status.data_ptr(), rows=rows, N=n, K=k, rank=self.rank,
             world=self.world, timeout_ns=int(self.timeout_s * 1e9), stride_wk=w.stride(0), stride_wn=w.stride(1),
-            programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+            programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **config)
         return out
 
     def _ag_chunked(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -369,7 +380,7 @@ class AsyncTP(runtime.CommObject):
             status_addr=self._status.data_ptr(), M=m, N=n, K=k, rank=self.rank, world=self.world,
             timeout_ns=int(self.timeout_s * 1e9), stride_am=a.stride(0), stride_wk=w.stride(0),
             stride_wn=w.stride(1), programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish,
-            REDUCE=reduce, **config)
+            REDUCE=reduce, **self._descriptors(a, w, config), **config)
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
@@ -385,7 +396,14 @@ class AsyncTP(runtime.CommObject):
             status_addr=self._status.data_ptr(), rows=m // self.world, N=n, K=k, rank=self.rank, world=self.world,
             step_begin=step_begin, step_end=step_end, timeout_ns=int(self.timeout_s * 1e9), stride_am=a.stride(0),
             stride_wk=w.stride(0), stride_wn=w.stride(1), programs=programs, EVEN_K=k % config["BLOCK_K"] == 0,
-            **config)
+            **self._descriptors(a, w, config), **config)
+
+    def _descriptors(self, a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
+        """The fused kernels' tile-loop arguments for `tile_loop`: TMA, and a's and w's descriptors
+        (``matmul.operand_descriptors``) or None."""
+        if self.tile_loop == "pointer":
+            return dict(a_desc=None, w_desc=None, W_KMAJOR=False, TMA=False)
+        return dict(operand_descriptors(a, w, config), TMA=True)
 
     def _rs_send_chunked(self, a: torch.Tensor, w: torch.Tensor) -> None:
         """cuBLAS computes the rows bound for each peer (rank r+1's first) and the copy engine puts

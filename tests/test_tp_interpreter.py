@@ -4,8 +4,9 @@ Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensor
 views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
 then every rank's pushes (all-gather) or sends (reduce-scatter, all-reduce), then every rank's
-GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs)
-and "chunked" (one GEMM per shard, the bounded wait kernel and the reduction kernel between them).
+GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs,
+with each tile loop of FUSED_VARIANTS: pointer loads and tensor descriptors) and "chunked" (one
+GEMM per shard, the bounded wait kernel and the reduction kernel between them).
 Results are compared with torch in float64; the kernels sum in fp32.
 """
 import os
@@ -14,17 +15,17 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0):
+def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0, tile_loop="pointer"):
     ranks = []
     for rank in range(world):
         tp = AsyncTP.__new__(AsyncTP)
-        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s)
+        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s, tile_loop)
         tp.group, tp.device = None, torch.device("cpu")
         tp._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
         ranks.append(tp)
@@ -50,11 +51,15 @@ AG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked"])
+# the overlapped paths, and the fused one with each tile loop
+PATHS = [("fused", loop) for loop in FUSED_VARIANTS] + [("chunked", "pointer")]
+
+
+@pytest.mark.parametrize("path,tile_loop", PATHS)
 @pytest.mark.parametrize("case", range(len(AG_CASES)))
-def test_all_gather_gemm(case, path):
+def test_all_gather_gemm(case, path, tile_loop):
     world, rows, k, n, dtype, transposed = AG_CASES[case]
-    ranks = simulated_group(world, world * rows, max(k, n), dtype)
+    ranks = simulated_group(world, world * rows, max(k, n), dtype, tile_loop=tile_loop)
     for call in range(2):                                     # buffers and flags reused by a second call
         g = torch.Generator().manual_seed(call)
         shards = [torch.randn(rows, k, generator=g).to(dtype) for _ in range(world)]
@@ -100,12 +105,12 @@ def run_gemm_rs(ranks, a, ws, path):
     return outs
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("path,tile_loop", PATHS)
 @pytest.mark.parametrize("case", range(len(RS_CASES)))
-def test_gemm_reduce_scatter(case, path):
+def test_gemm_reduce_scatter(case, path, tile_loop):
     world, rows, k, n, dtype, transposed = RS_CASES[case]
     m = world * rows
-    ranks = simulated_group(world, m, n, dtype)
+    ranks = simulated_group(world, m, n, dtype, tile_loop=tile_loop)
     for call in range(2):
         g = torch.Generator().manual_seed(call)
         a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
@@ -168,10 +173,11 @@ AR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile_loop", FUSED_VARIANTS)
 @pytest.mark.parametrize("case", range(len(AR_CASES)))
-def test_gemm_all_reduce(case):
+def test_gemm_all_reduce(case, tile_loop):
     world, m, k, n, dtype, transposed = AR_CASES[case]
-    ranks = simulated_group(world, world * m, n, dtype)      # the fused path takes M <= max_rows / W
+    ranks = simulated_group(world, world * m, n, dtype, tile_loop=tile_loop)   # "fused" takes M <= max_rows / W
     for call in range(2):
         g = torch.Generator().manual_seed(call)
         a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
@@ -193,3 +199,8 @@ def test_all_reduce_partials_that_never_land_time_out():
     ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
+
+
+def test_tile_loop_must_be_one_the_fused_kernels_run():
+    with pytest.raises(ValueError, match="tile_loop must be one of"):
+        simulated_group(2, 8, 16, torch.float32, tile_loop="tma_ws")     # matmul's alone: its loop has no waits

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import signal_add, wait_until_ge
-from .matmul import matmul_tile, tile_coords
+from .matmul import gemm_tile, tile_coords
 
 TAG_TILE = tl.constexpr(6)
 TAGS = {TAG_TILE.value: "GEMM reduce-scatter (waiting for a peer's partials)"}
@@ -52,17 +52,18 @@ def sum_peer_tiles(total, partials, slab, offsets, mask, flags, tiles, t, rank, 
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
-def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr,
+def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
                    rows, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am, stride_wk, stride_wn,
                    programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
     """a [world * rows, K] (row stride stride_am); w [K, N] (any strides); out [rows, N];
     partials [world, rows, N] in out's dtype and flags [world, tiles per shard] int64 are symmetric,
     partial_peers / flag_peers [world] int64 hold every rank's address of them; state [programs]
     int64 clock words; status int32[5].
 
     The launch covers the steps [step_begin, step_end) of the schedule (0: the first shard to
-    leave, world - 1: the own shard); on the GPU that is all of them in one launch.
+    leave, world - 1: the own shard); on the GPU that is all of them in one launch. TMA: a and w
+    loaded through a_desc and w_desc (``matmul.operand_descriptors``).
     """
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
@@ -76,8 +77,8 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         t = tile - step * per_shard
         dest = (rank + 1 + step) % world
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        acc = matmul_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, w, stride_wk, stride_wn,
-                          pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = gemm_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, a_desc, dest * rows, w, stride_wk,
+                        stride_wn, w_desc, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
         part = acc.to(out.dtype.element_ty)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -8,14 +8,16 @@ A tile is computed one of two ways (``VARIANTS``):
   - pointer loads (``matmul_tile``): Triton pipelines them as cp.async copies into shared memory;
   - tensor descriptors (``matmul_tile_tma``): Hopper's TMA engine copies whole [BLOCK, BLOCK_K]
     boxes, zero-filling past the edges, with no address arithmetic in the registers the wgmma
-    accumulator needs; the output tile is stored through a descriptor as well (clipped at the
-    edges). The weight's descriptor is over w [K, N] when its rows are contiguous, or over
-    w.T [N, K] (nn.Linear's weight, seen through .t()) whose [BLOCK_N, BLOCK_K] box is transposed
-    in shared memory for the dot.
-The descriptor variants optionally flatten the tile loop and the K loop into one pipelined loop
+    accumulator needs. The weight's descriptor is over w [K, N] when its rows are contiguous, or
+    over w.T [N, K] (nn.Linear's weight, seen through .t()) whose [BLOCK_N, BLOCK_K] box is
+    transposed in shared memory for the dot.
+Output tiles are stored with pointers in every variant: the fused kernels store a shard's tiles
+into row ranges of a larger buffer, or into a peer's, where a descriptor's box would overwrite the
+next shard's rows. ``matmul`` can also flatten the tile loop and the K loop into one pipelined loop
 (the next tile's loads start during this tile's last dots) or warp-specialize it (producer warps
-issue the copies, consumer warps the dots). Until bench_gemm.py has measured them on Hopper they
-are candidates: DEFAULT_VARIANT stays the pointer loop.
+issue the copies, consumer warps the dots); the fused kernels, whose tile loops wait on flags and
+store to peers, take FUSED_VARIANTS only. Until bench_gemm.py has measured them on Hopper the
+descriptor variants are candidates: DEFAULT_VARIANT stays the pointer loop.
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -127,6 +129,7 @@ VARIANTS = {
     "tma_ws": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=True),
 }
 DEFAULT_VARIANT = "pointer"
+FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
 
 
 def tile_config(rows: int, n: int, element_size: int) -> dict:
@@ -142,31 +145,41 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
                 num_warps=8 if block_m * block_n >= 128 * 256 else 4, num_stages=3)
 
 
+@triton.jit
+def gemm_tile(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, rows, N, K,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """fp32 tile (pid_m, pid_n) of A[:rows, :K] @ w [K, N] for a block of `rows` rows of A that starts
+    at pointer `a` (row stride stride_am; ``matmul_tile``, w any strides) or, TMA, at row first_row
+    of a_desc (``matmul_tile_tma`` with w_desc)."""
+    if TMA:
+        acc = matmul_tile_tma(a_desc, first_row + pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                              BLOCK_K, W_KMAJOR)
+    else:
+        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "programs"])
-def matmul_kernel(a, w, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
+def matmul_kernel(a, a_desc, w, w_desc, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
                   WARP_SPECIALIZE: tl.constexpr):
-    """out [M, N] = a [M, K] @ w [K, N], the persistent tile loop of the fused kernels.
-
-    Pointers (a row-major, w any strides), or with TMA tensor descriptors: a [M, K] in boxes
-    [BLOCK_M, BLOCK_K], out [M, N] in boxes [BLOCK_M, BLOCK_N], w [K, N] in boxes [BLOCK_K, BLOCK_N]
-    or, W_KMAJOR, w.T [N, K] in boxes [BLOCK_N, BLOCK_K]."""
+    """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
+    fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
+    boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN,
                       warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        if TMA:
-            acc = matmul_tile_tma(a, pid_m * BLOCK_M, w, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
-            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
-        else:
-            acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N,
-                              BLOCK_K, EVEN_K)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M,
+                        BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -179,12 +192,14 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block)
 
 
-def weight_descriptor(w: torch.Tensor, block_k: int, block_n: int) -> tuple[TensorDescriptor, bool]:
-    """A tensor descriptor of w [K, N] for matmul_tile_tma, and whether it is K-major (over w.T):
-    w's rows contiguous (w [K, N] row-major) or its columns (nn.Linear's weight [N, K] seen through .t())."""
-    if w.stride(1) == 1:
-        return descriptor(w, [block_k, block_n]), False
-    return descriptor(w.t(), [block_n, block_k]), True
+def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
+    """The descriptor arguments of gemm_tile for a [*, K] and w [K, N] with config's tile shapes:
+    a_desc, w_desc, and W_KMAJOR, whether w_desc is over w.T (w's columns contiguous: nn.Linear's
+    weight [N, K] seen through .t()) rather than over w (its rows contiguous)."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    kmajor = w.stride(1) != 1
+    w_desc = descriptor(w.t(), [bn, bk]) if kmajor else descriptor(w, [bk, bn])
+    return dict(a_desc=descriptor(a, [bm, bk]), w_desc=w_desc, W_KMAJOR=kmajor)
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None,
@@ -201,13 +216,10 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     if 0 in (m, n, k):
         return out.zero_()
     options = VARIANTS[variant]
-    a_arg, w_arg, out_arg, w_kmajor = a, w, out, False
-    if options["TMA"]:
-        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-        a_arg, out_arg = descriptor(a, [bm, bk]), descriptor(out, [bm, bn])
-        w_arg, w_kmajor = weight_descriptor(w, bk, bn)
+    descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
+                                                                                W_KMAJOR=False)
     grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
-    matmul_kernel[(grid,)](a=a_arg, w=w_arg, out=out_arg, M=m, N=n, K=k, stride_am=a.stride(0),
-                           stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
-                           EVEN_K=k % config["BLOCK_K"] == 0, W_KMAJOR=w_kmajor, **options, **config)
+    matmul_kernel[(grid,)](a=a, w=w, out=out, M=m, N=n, K=k, stride_am=a.stride(0), stride_wk=w.stride(0),
+                           stride_wn=w.stride(1), programs=grid, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors,
+                           **options, **config)
     return out
