@@ -30,7 +30,7 @@ import torch.distributed as dist
 from bench_moe_layer import GEMM_CASES, rowwise_fp8
 
 from moe_ep import quantize_fp8, runtime
-from moe_ep.kernels.grouped_gemm import grouped_gemm
+from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
 from moe_ep.kernels.matmul import VARIANTS, matmul, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
@@ -38,12 +38,9 @@ from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
 L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
-# Grouped-GEMM candidates: (name, variant, tiles for the prefill class or None for the table's).
-# "wide": 128 x 256 x 64 with 8 warps, 3 stages of 48 KB (two wgmma warpgroups of 64 x 256); only
-# for bf16: an FP8 step keeps the dot's result beside the accumulator to scale it, 256 registers.
-WIDE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1)
-GROUPED_CANDIDATES = [("pointer", "pointer", None), ("tma", "tma", None), ("tma, wide", "tma", WIDE)]
-
+# Grouped-GEMM candidates: (label, variant, tiles for the prefill class or None for the table's, precisions)
+GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tma", None, ("bf16", "fp8")),
+                      *((f"tma {name}", "tma", tiles, precisions) for name, (tiles, precisions) in TILE_CANDIDATES.items())]
 
 def timer(iters: int):
     """median_us with the L2 flushed before every timed call."""
@@ -91,6 +88,13 @@ def tp_row(label: str, m: int, k: int, n: int, time_us, programs: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
 
+def quantized_weights(w: torch.Tensor, experts_at_once: int = 16):
+    """quantize_weights_fp8 over a few experts at a time: its fp32 temporaries for all 256 of
+    DeepSeek-V3's experts would be 30 GB each."""
+    parts = [quantize_weights_fp8(w[e:e + experts_at_once]) for e in range(0, w.shape[0], experts_at_once)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
 def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     """Every candidate and baseline on the gate_up GEMM of `shape` with `rows` rows per expert."""
     experts, k, n = shape["experts"], shape["hidden"], 2 * shape["intermediate"]
@@ -100,7 +104,7 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     q, q_scales = quantize_fp8(a.view(-1, k))
     q, q_scales = q.view(experts, rows, k), q_scales.view(experts, rows, k // 128)
-    w_q, w_scales = quantize_weights_fp8(w)
+    w_q, w_scales = quantized_weights(w)
     packed = a.view(-1, k)
     expected = torch._grouped_mm(packed, w.transpose(1, 2), offs=offsets).float().view(experts, rows, n)
     flops = 2 * experts * rows * n * k
@@ -123,14 +127,16 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     results.append(entry("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
         a8, w8, a_scale, w_scale, offs=offsets, out_dtype=torch.bfloat16), 1 + 4 / k, 1 + 4 / k))
     prefill = rows > 64
-    for label, variant, tiles in GROUPED_CANDIDATES:
+    for label, variant, tiles, precisions in GROUPED_CANDIDATES:
         if tiles is not None and not prefill:
             continue
-        results.append(entry(f"ours bf16, {label}", lambda: grouped_gemm(
-            a, w, counts, rows_per_expert=rows, variant=variant, tiles=tiles), 2, 2))
-        if tiles is None:
+        if "bf16" in precisions:
+            results.append(entry(f"ours bf16, {label}", lambda: grouped_gemm(
+                a, w, counts, rows_per_expert=rows, variant=variant, tiles=tiles), 2, 2))
+        if "fp8" in precisions:
             results.append(entry(f"ours FP8, {label}", lambda: grouped_gemm(
-                q, w_q, counts, q_scales, 128, rows_per_expert=rows, w_scales=w_scales, variant=variant), fp8_row_bytes, 1))
+                q, w_q, counts, q_scales, 128, rows_per_expert=rows, w_scales=w_scales, variant=variant, tiles=tiles),
+                fp8_row_bytes, 1))
     torch_us = {r["kernel"]: r["us"] for r in results if r["kernel"].startswith("torch")}
     ours_bf16 = [r["us"] for r in results if r["kernel"].startswith("ours bf16") and isinstance(r["us"], float)]
     for r in results:

@@ -191,10 +191,16 @@ def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     return results
 
 
-def rowwise_fp8(x: torch.Tensor):
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take)."""
-    scale = x.float().abs().amax(-1).clamp(min=1e-4) / 448.0
-    return (x.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take);
+    `chunk` rows at a time, so that the fp32 temporaries of 256 DeepSeek-V3 experts' weights (30 GB
+    each) never exist at once."""
+    scale = torch.cat([x[i:i + chunk].abs().amax(-1).float() for i in range(0, x.shape[0], chunk)])
+    scale = scale.clamp(min=1e-4) / 448.0
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    for i in range(0, x.shape[0], chunk):
+        q[i:i + chunk] = (x[i:i + chunk].float() / scale[i:i + chunk, None]).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def main():

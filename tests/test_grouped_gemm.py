@@ -9,7 +9,7 @@ the GPU only (one GPU is enough: those cases are skipped on CPU, not marked `gpu
 import pytest
 import torch
 
-from moe_ep.kernels.grouped_gemm import VARIANTS, grouped_gemm, grouped_gemm_reference
+from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, VARIANTS, grouped_gemm, grouped_gemm_reference
 from moe_ep.reference import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,3 +157,27 @@ def test_fp8_weights(rows_fp8, activation, variant):
     exact = grouped_gemm_reference(a, w, counts, scales, 128, activation)
     error = (out[0].float() - exact[0].float()).norm() / exact[0].float().norm()
     assert error < 0.1, f"FP8 weights (and rows) cost {error:.3g} relative error"   # e4m3: 2**-4 per rounding
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(TILE_CANDIDATES))
+def test_tile_candidates(name, variant):
+    """Every candidate tile shape bench_gemm.py times, for the weights it is meant for: small shapes
+    with edges in every dimension in the interpreter, DeepSeek-V3's K on the GPU."""
+    from moe_ep.kernels.quant import quantize_weights_fp8
+    tiles, precisions = TILE_CANDIDATES[name]
+    experts, rows, k, n = (4, 300, 7168, 512) if DEVICE == "cuda" else (3, 70, 256, 384)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    a, w, counts = _inputs(experts, rows, k, n, [rows, 0, 1, rows - 5][:experts], dtype)
+    w_scales = None
+    if "fp8" in precisions:
+        q, scales = quantize_fp8(a.reshape(-1, k).float().cpu(), 128)
+        a, scales = q.view(a.shape).to(DEVICE), scales.view(experts, rows, k // 128).to(DEVICE)
+        w, w_scales = quantize_weights_fp8(w)
+    else:
+        scales = None
+    out_dtype = torch.bfloat16 if "fp8" in precisions else dtype
+    out = torch.full((experts, rows, n), FILL, dtype=out_dtype, device=DEVICE)
+    grouped_gemm(a, w, counts, scales, 128, out=out, w_scales=w_scales, tiles=tiles, variant=variant)
+    expected = grouped_gemm_reference(a, w, counts, scales, 128, w_scales=w_scales)
+    _check_capacity(out, expected, counts, 2e-2 if DEVICE == "cuda" or "fp8" in precisions else 1e-5)

@@ -50,13 +50,13 @@ def ag_gemm_kernel(a_local, gathered, w, out, flags, state, status_addr, a_desc,
         else:
             a = a_local
         pid_m, pid_n = tile_coords(tile - step * per_shard, tiles_m, tiles_n, GROUP_M)
-        if TMA:
+        if TMA:   # one call of the tile loop (two would each get their own pipeline buffers)
+            a_rows = a_desc
+            first_row = pid_m * BLOCK_M
             if step > 0:
-                acc = matmul_tile_tma(gathered_desc, shard * rows + pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
-            else:
-                acc = matmul_tile_tma(a_desc, pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      W_KMAJOR)
+                a_rows = gathered_desc
+                first_row += shard * rows
+            acc = matmul_tile_tma(a_rows, first_row, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
         else:
             acc = matmul_tile(a, K, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K,
                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
