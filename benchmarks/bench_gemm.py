@@ -40,7 +40,8 @@ TP_SIZES = (2, 4)
 L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
 # Grouped-GEMM candidates: (label, variant, tiles for the prefill class or None for the table's, precisions)
 GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tma", None, ("bf16", "fp8")),
-                      *((f"tma {name}", "tma", tiles, precisions) for name, (tiles, precisions) in TILE_CANDIDATES.items())]
+                      *((f"tma {name}", "tma", tiles, precisions)
+                        for name, (tiles, precisions) in TILE_CANDIDATES.items())]
 
 def timer(iters: int):
     """median_us with the L2 flushed before every timed call."""

@@ -14,15 +14,16 @@ the autograd functions in ``moe_ep.tp_autograd``.
 Each call takes one of three paths (``overlap``):
   - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
     or stores its partial tiles straight into the peers and sums the peers' tiles into its own
-    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``;
+    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``, their tile loop on pointer loads
+    or on TMA tensor descriptors (``tile_loop``);
   - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
 ``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
 fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
 slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
-for every later call of that shape. The cost model (``moe_ep.tp_cost``) only orders the candidates and leaves
-out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+for every later call of that shape. The cost model (``moe_ep.tp_cost``) only orders the candidates
+and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
 ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).

@@ -18,6 +18,8 @@ OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one 
 HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
                           # enough for unmeasured constants, narrow enough that the launches and the
                           # barrier of an overlapped call rule it out on small shapes
+
+
 def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
     """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
     the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered; "gemm_ar":

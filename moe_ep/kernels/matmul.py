@@ -211,15 +211,19 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
     shapes the fused kernels use for M rows (or `config`, a tile_config of another row count), the
     tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
-    multiples of 8 in bf16) and w with contiguous rows or columns."""
+    multiples of 8 in bf16) and w with contiguous rows or columns; "tma_ws" with fp32 operands, w's
+    columns contiguous."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    options = VARIANTS[variant]
+    if options["WARP_SPECIALIZE"] and a.element_size() == 4 and w.stride(1) == 1:
+        raise ValueError("the warp-specialized tile loop cannot take fp32 operands with w row-major (triton 3.6's "
+                         "passes fail on that tf32 dot): pass w as the .t() of a [N, K] weight, or another variant")
     (m, k), n = a.shape, w.shape[1]
     config = config or tile_config(m, n, a.element_size())
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if 0 in (m, n, k):
         return out.zero_()
-    options = VARIANTS[variant]
     descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
                                                                                 W_KMAJOR=False)
     grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
