@@ -27,7 +27,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from bench_moe_layer import GEMM_CASES, rowwise_fp8
+from bench_moe_layer import GEMM_CASES, attempt, rowwise_fp8
 
 from moe_ep import quantize_fp8, runtime
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
@@ -43,18 +43,11 @@ GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tm
                       *((f"tma {name}", "tma", tiles, precisions)
                         for name, (tiles, precisions) in TILE_CANDIDATES.items())]
 
+
 def timer(iters: int):
     """median_us with the L2 flushed before every timed call."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     return lambda fn: median_us(fn, iters, 3, before=flush.zero_)
-
-
-def attempt(fn):
-    """fn()'s value, or the error as a string: one candidate that fails to compile must not cost the rest."""
-    try:
-        return fn()
-    except Exception as error:           # recorded in the table and the JSON, not hidden
-        return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
 
 # ---------------------------------------------------------------------------------------------- tile loop
@@ -78,8 +71,8 @@ def tp_row(label: str, m: int, k: int, n: int, time_us, programs: int) -> dict:
         def run(variant=variant):
             return matmul(a, w, programs, config, variant=variant)
         error = attempt(lambda: ((run().float() - expected).norm() / expected.norm()).item())
-        if isinstance(error, str):
-            row[f"{variant}_us"] = error
+        if isinstance(error, dict):                    # a candidate that fails must not cost the others
+            row[f"{variant}_us"] = error["error"]
             continue
         row[f"{variant}_us"] = time_us(run)
         row[f"{variant}_vs_cublas"] = row["cublas_us"] / row[f"{variant}_us"]
@@ -113,8 +106,8 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     def entry(kernel: str, fn, row_bytes: float, weight_bytes: float) -> dict:
         row = {"shape": name, "rows_per_expert": rows, "kernel": kernel}
         out = attempt(fn)
-        if isinstance(out, str):
-            return {**row, "us": out}
+        if isinstance(out, dict):
+            return {**row, "us": out["error"]}
         us = time_us(fn)
         moved = experts * rows * k * row_bytes + experts * n * k * weight_bytes + experts * rows * n * 2
         error = (out.float().view(experts, rows, n) - expected).norm() / expected.norm()
