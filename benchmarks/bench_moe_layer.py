@@ -160,8 +160,8 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     ]
     if hasattr(torch, "_scaled_grouped_mm"):
         def scaled():
-            a8, a_scale = _rowwise_fp8(packed)
-            w8, w_scale = _rowwise_fp8(w.reshape(-1, k))
+            a8, a_scale = rowwise_fp8(packed)
+            w8, w_scale = rowwise_fp8(w.reshape(-1, k))
             w8, w_scale = w8.view(local, n, k).transpose(1, 2), w_scale.view(local, n)
             return lambda: torch._scaled_grouped_mm(a8, w8, a_scale, w_scale, offs=offsets, out_dtype=torch.bfloat16)
         setup = attempt(lambda: {"fn": scaled()})
@@ -191,10 +191,16 @@ def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     return results
 
 
-def _rowwise_fp8(x: torch.Tensor):
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take)."""
-    scale = x.float().abs().amax(-1).clamp(min=1e-4) / 448.0
-    return (x.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take);
+    `chunk` rows at a time, so that the fp32 temporaries of 256 DeepSeek-V3 experts' weights (30 GB
+    each) never exist at once."""
+    scale = torch.cat([x[i:i + chunk].abs().amax(-1).float() for i in range(0, x.shape[0], chunk)])
+    scale = scale.clamp(min=1e-4) / 448.0
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    for i in range(0, x.shape[0], chunk):
+        q[i:i + chunk] = (x[i:i + chunk].float() / scale[i:i + chunk, None]).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def main():

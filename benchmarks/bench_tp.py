@@ -9,16 +9,18 @@ Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores th
 For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
   triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
-              = gemm / triton; the fused path cannot win where this falls much below 1
+              = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:
+              the same with the tile loop on tensor descriptors (AsyncTP's tile_loop="tma"); every
+              variant on one GPU: benchmarks/bench_gemm.py
   plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce): the baseline
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
-  fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs)
+  fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs); fused_tma: with tile_loop="tma"
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
-perfect overlap. The cost model's predictions (moe_ep.tp.predicted_us) are printed beside.
+perfect overlap. The cost model's predictions (moe_ep.tp_cost.predicted_us) are printed beside.
 Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
 says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where this torch has it).
 """
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference, runtime
 from moe_ep.kernels.matmul import matmul, tile_config
-from moe_ep.tp import predicted_us
+from moe_ep.tp_cost import predicted_us
 from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 # prefill (a-d), then decode (M = 128 and 512 tokens)
@@ -103,18 +105,20 @@ def measure(op, shape, tp, fused, iters):
             return out
         gemm = lambda: a @ w                                               # noqa: E731
 
-    def with_overlap(mode):
+    def with_overlap(mode, tile_loop="pointer"):
         def call():
-            tp.overlap = mode
+            tp.overlap, tp.tile_loop = mode, tile_loop
             return getattr(tp, op)(a, w)
         return call
     fused_op = {"ag_gemm": fused[0], "gemm_rs": fused[1]}.get(op)
-    paths = ("fused",) if op == "gemm_ar" else ("fused", "chunked")
+    paths = {"fused": with_overlap("fused"), "fused_tma": with_overlap("fused", "tma")}
+    if op != "gemm_ar":
+        paths["chunked"] = with_overlap("chunked")
     row = {"op": op, "M": m, "K": k, "N": n}
     expected = plain().float()
-    for path in paths:
+    for path, run in paths.items():
         try:
-            row[f"{path}_max_abs_diff"] = (with_overlap(path)().float() - expected).abs().max().item()
+            row[f"{path}_max_abs_diff"] = (run().float() - expected).abs().max().item()
         except Exception as e:
             row[f"{path}_max_abs_diff"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
@@ -132,8 +136,10 @@ def measure(op, shape, tp, fused, iters):
     gemm_a = gathered if op == "ag_gemm" else a
     config = tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)     # the fused kernel's tiles
     triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
-    timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("plain_us", plain),
-               *((f"{path}_us", with_overlap(path)) for path in paths), ("auto_us", with_overlap("auto"))]
+    triton_tma = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma")   # noqa: E731
+    timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("triton_tma_us", triton_tma),
+               ("plain_us", plain), *((f"{path}_us", run) for path, run in paths.items()),
+               ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
     for key, fn in timings:
@@ -142,12 +148,13 @@ def measure(op, shape, tp, fused, iters):
             row[key] = median_us(fn, iters, 5)
         except Exception as e:            # a baseline this torch cannot run is reported, not fatal
             row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    for key in ("fused_us", "chunked_us", "auto_us", "torch_us"):
+    for key in ("fused_us", "fused_tma_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
-    if all(isinstance(row.get(key), float) for key in ("triton_us", "gemm_us")):
-        row["triton_vs_cublas"] = row["gemm_us"] / row["triton_us"]
-    ours = [row[key] for key in ("fused_us", "chunked_us") if isinstance(row.get(key), float)]
+    for key in ("triton", "triton_tma"):
+        if all(isinstance(row.get(k), float) for k in (f"{key}_us", "gemm_us")):
+            row[f"{key}_vs_cublas"] = row["gemm_us"] / row[f"{key}_us"]
+    ours = [row[key] for key in ("fused_us", "fused_tma_us", "chunked_us") if isinstance(row.get(key), float)]
     if ours and all(isinstance(row[key], float) for key in ("plain_us", "comm_us", "gemm_us")):
         row["overlap_efficiency"] = (row["plain_us"] - min(ours)) / min(row["comm_us"], row["gemm_us"])
     predicted = predicted_us(op, m, local_k, local_n, world)
@@ -155,12 +162,13 @@ def measure(op, shape, tp, fused, iters):
     return row
 
 
-COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "plain_us",
-           "torch_us", "fused_us", "chunked_us", "auto_us",
-           "torch_speedup", "fused_speedup", "chunked_speedup", "auto_speedup", "overlap_efficiency", "auto_path",
+COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "triton_tma_us",
+           "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "auto_us",
+           "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "auto_speedup",
+           "overlap_efficiency", "auto_path",
            "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
-           "chunked_max_abs_diff"]
+           "fused_tma_max_abs_diff", "chunked_max_abs_diff"]
 
 
 def main():

@@ -1,4 +1,4 @@
-"""AsyncTP: the host object that owns the async tensor-parallel buffers and launches the two GEMMs.
+"""AsyncTP: the host object that owns the async tensor-parallel buffers and launches its three ops.
 
     tp = AsyncTP(max_rows=16384, max_features=28672)     # collective, once per process group
     out = tp.ag_gemm(a_shard, w)      # a_shard [M/W, K], w [K, N]   -> all_gather(a_shard) @ w   [M, N]
@@ -7,21 +7,23 @@
 
 W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
 w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
-``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``); the kernels are in
-``moe_ep.kernels.ag_gemm`` and ``moe_ep.kernels.gemm_rs``.
+``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``, ``gemm_ar``); the kernels are in
+``moe_ep.kernels.ag_gemm``, ``gemm_rs`` and ``gemm_ar``, the choice of path in ``moe_ep.tp_cost``,
+the autograd functions in ``moe_ep.tp_autograd``.
 
 Each call takes one of three paths (``overlap``):
   - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
     or stores its partial tiles straight into the peers and sums the peers' tiles into its own
-    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``;
+    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``, their tile loop on pointer loads
+    or on TMA tensor descriptors (``tile_loop``);
   - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
 ``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
 fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
 slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
-for every later call of that shape. The cost model below only orders the candidates and leaves
-out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+for every later call of that shape. The cost model (``moe_ep.tp_cost``) only orders the candidates
+and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
 ``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
@@ -31,8 +33,8 @@ an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each fin
 peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
 M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
 
-The ops are differentiable (``AllGatherGemm``, ``GemmReduceScatter``, ``GemmAllReduce``, at the
-end): the input gradient of each of the first two is the other op, on the same object and paths.
+The ops are differentiable (``moe_ep.tp_autograd``): the input gradient of each of the first two is
+the other op, on the same object and paths; gemm_ar's is local.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel):
 buffers are reused from call to call, and a peer may write into them only once this rank is
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -51,68 +54,33 @@ from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_ar as ar_kernels
 from .kernels import gemm_rs as rs_kernels
-from .kernels.matmul import reset_and_barrier_kernel, tile_config, wait_flag_kernel
+from .kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
+                             reset_and_barrier_kernel, tile_config, wait_flag_kernel)
 from .timing import median_us
+from .tp_autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
+from .tp_cost import candidate_paths, measured_choice
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
-# hopeless ones; the choice itself is measured (AsyncTP._path).
-CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
-TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
-LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
-HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
-OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
-
-HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
-                          # enough for unmeasured constants, narrow enough that the launches and the
-                          # barrier of an overlapped call rule it out on small shapes
 MEASURE_WARMUP = 1        # untimed calls of each candidate (the first compiles the Triton kernels)
 MEASURE_ITERS = 3         # timed calls of each candidate; the median counts
 
 _MIN_TILE = (64, 128)     # the smallest BLOCK_M, BLOCK_N tile_config hands out
 
 
-def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
-    """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
-    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered; "gemm_ar":
-    it is all-reduced, which has no chunked path).
-
-        never    gemm + link                           one after the other
-        fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
-        chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
-                 (+ one elementwise pass over the W partials for gemm_rs)
-
-    link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
-    [M, N] through NCCL's ring, and all W-1 peers' [M, N] partials for the fused one-shot kernel.
-    """
-    gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
-    row_bytes = (k if op == "ag_gemm" else n) * element_size
-    link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
-    if op == "gemm_ar":
-        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, world * link) + OVERHEAD_US}
-    reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
-    return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
-            "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
-
-
-def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> list[str]:
-    """The paths overlap="auto" times for this shape, fastest predicted first: "never" always, an
-    overlapped path where predicted_us puts it within HOPELESS of the best prediction."""
-    times = predicted_us(op, m, k, n, world, element_size)
-    best = min(times.values())
-    return sorted((path for path, t in times.items() if path == "never" or t <= HOPELESS * best), key=times.get)
-
-
-def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str, dict[str, float]]:
-    """Time each candidate on this rank (`time_us(path)` -> microseconds), keep each one's time on
-    its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
-    which calls this collectively with the same candidates in the same order."""
-    times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
-    reference.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
+@dataclass
+class TPBuffers:
+    """AsyncTP's symmetric buffers, one copy on every rank. W ranks, M = max_rows, F = max_features,
+    T = tiles of the largest [M/W, F] shard at the smallest tile shape. Peers write into them
+    (copy engine or NVLink stores) only after each call's barrier."""
+    gathered: torch.Tensor     # [M * F] dtype: ag_gemm's A as [M, K], rank s's shard at rows s*M/W...; peers push
+    shard_flags: torch.Tensor  # [W] i64: ag_gemm: 1 once rank s's shard has landed in `gathered`
+    partials: torch.Tensor     # [M * F] dtype: gemm_rs: [W, M/W, N], rank s's partial rows for this rank;
+                               # gemm_ar: [W, M', N], rank s's whole partial (M' <= M/W)
+    tile_flags: torch.Tensor   # [W * T] i64: gemm_rs / gemm_ar: [W, tiles], 1 once rank s's tile t has landed
+                               # (the chunked gemm_rs: [W], once all of rank s's partial rows have)
 
 
 class AsyncTP(runtime.CommObject):
@@ -127,16 +95,19 @@ class AsyncTP(runtime.CommObject):
         backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
         overlap: "auto", "fused", "chunked" or "never" (see the module docstring).
         timeout_s: bound of every device-side wait.
+        tile_loop: how the fused kernels load their operands, one of ``kernels.matmul.FUSED_VARIANTS``
+            ("pointer", or "tma": tensor descriptors, which need a and w with 16-byte aligned rows).
     """
 
     TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
-                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0):
+                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0,
+                 tile_loop: str = DEFAULT_VARIANT):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_rows, max_features, dtype, backend,
-                        overlap, timeout_s)
+                        overlap, timeout_s, tile_loop)
         sms = self._open(group, backend)
         if sms is None:
             return
@@ -148,7 +119,8 @@ class AsyncTP(runtime.CommObject):
 
     # ------------------------------------------------------------------------------------ setup
 
-    def _configure(self, world, rank, max_rows, max_features, dtype, backend, overlap, timeout_s) -> None:
+    def _configure(self, world, rank, max_rows, max_features, dtype, backend, overlap, timeout_s,
+                   tile_loop: str = DEFAULT_VARIANT) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if overlap not in OVERLAP:
@@ -165,32 +137,34 @@ class AsyncTP(runtime.CommObject):
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if tile_loop not in FUSED_VARIANTS:
+            raise ValueError(f"tile_loop must be one of {FUSED_VARIANTS}, got {tile_loop!r}")
         self.world, self.rank = world, rank
         self.max_rows, self.max_features, self.dtype = max_rows, max_features, dtype
-        self.backend, self.overlap, self.timeout_s = backend, overlap, timeout_s
+        self.backend, self.overlap, self.timeout_s, self.tile_loop = backend, overlap, timeout_s, tile_loop
         self._symmetric: dict[str, torch.Tensor] = {}
+        self.buffers: TPBuffers | None = None
         self._broken: str | None = None
         # (op, M, K, N) -> {"path", "times_us": {path: us on the slowest rank}, "first_call_ms": host
         # time spent choosing} for overlap="auto"; filled by the first call of each shape
         self.choices: dict[tuple, dict] = {}
 
     def _allocate(self, symmetric_zeros, programs: int) -> None:
-        """Symmetric buffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size
-        (the same on every rank). gathered [M, K] and ag_flags [W]: the all-gather GEMM's; partials
-        [W, M/W, N] and rs_flags [W, tiles]: the GEMM reduce-scatter's, and the GEMM all-reduce's
-        ([W, M', N] and [W, tiles] for its M' <= M/W rows)."""
+        """The TPBuffers from `symmetric_zeros(shape, dtype)`; `programs` is every grid's size (the same
+        on every rank)."""
         W, elements = self.world, self.max_rows * self.max_features
         tiles = triton.cdiv(self.max_rows // W, _MIN_TILE[0]) * triton.cdiv(self.max_features, _MIN_TILE[1])
-        shapes = {"gathered": ((elements,), self.dtype), "ag_flags": ((W,), torch.int64),
-                  "partials": ((elements,), self.dtype), "rs_flags": ((W * tiles,), torch.int64)}
-        for name, (shape, dtype) in shapes.items():
-            self._symmetric[name] = symmetric_zeros(shape, dtype)
+        self.buffers = TPBuffers(gathered=symmetric_zeros((elements,), self.dtype),
+                                 shard_flags=symmetric_zeros((W,), torch.int64),
+                                 partials=symmetric_zeros((elements,), self.dtype),
+                                 tile_flags=symmetric_zeros((W * tiles,), torch.int64))
+        self._symmetric = {f.name: getattr(self.buffers, f.name) for f in fields(TPBuffers)}
         self._programs = programs
         self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
         self._status = torch.zeros(5, dtype=torch.int32, pin_memory=self.device.type == "cuda")   # shmem.STATUS_*
 
     def _connect(self, peer_views) -> None:
-        """`peer_views(name, buffer)` -> every rank's copy of a symmetric buffer as a tensor whose
+        """`peer_views(name, buffer)` -> every rank's copy of the TPBuffers field `name` as a tensor whose
         data_ptr this rank can address (NVLink). The kernels' address tables come from them, and
         flags are raised through them; on CPU (the interpreter tests) data is copied into them."""
         self._views, self._peers = {}, {}
@@ -262,13 +236,13 @@ class AsyncTP(runtime.CommObject):
         m = rows * self.world
         if path == "never":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
-        self._start("ag_flags", self.world)
+        self._start("shard_flags", self.world)
         self._ag_push(a_shard, return_gathered)
         out = (self._ag_fused if path == "fused" else self._ag_chunked)(a_shard, w)
         if self.device.type == "cuda":
             torch.cuda.current_stream().wait_stream(self._copy_stream)
         if return_gathered:
-            return out, self._symmetric["gathered"][:m * k].view(m, k).clone()
+            return out, self.buffers.gathered[:m * k].view(m, k).clone()
         return out
 
     def _ag_push(self, a_shard: torch.Tensor, own_copy: bool) -> None:
@@ -280,9 +254,9 @@ class AsyncTP(runtime.CommObject):
             for step in range(1, self.world):
                 peer = (self.rank + step) % self.world
                 self._put("gathered", mine, a_shard, peer)
-                self._raise_flag("ag_flags", peer, self.rank)
+                self._raise_flag("shard_flags", peer, self.rank)
             if own_copy:
-                self._symmetric["gathered"][mine].view(rows, k).copy_(a_shard)
+                self.buffers.gathered[mine].view(rows, k).copy_(a_shard)
 
     def _ag_fused(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         rows, k = a_shard.shape
@@ -291,10 +265,15 @@ class AsyncTP(runtime.CommObject):
         config = tile_config(rows, n, a_shard.element_size())
         tiles = self.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         programs = min(self._programs, tiles)
+        descriptors = self._descriptors(a_shard, w, config)
+        gathered = self.buffers.gathered[:self.world * rows * k].view(self.world * rows, k)
+        descriptors["gathered_desc"] = (descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]])
+                                        if descriptors["TMA"] else None)
         ag_kernels.ag_gemm_kernel[(programs,)](
-            a_shard, self._symmetric["gathered"], w, out, self._symmetric["ag_flags"], self._state,
-            self._status.data_ptr(), rows, n, k, self.rank, self.world, int(self.timeout_s * 1e9),
-            w.stride(0), w.stride(1), programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+            a_local=a_shard, gathered=self.buffers.gathered, w=w, out=out, flags=self.buffers.shard_flags,
+            state=self._state, status_addr=self._status.data_ptr(), rows=rows, N=n, K=k, rank=self.rank,
+            world=self.world, timeout_ns=int(self.timeout_s * 1e9), stride_wk=w.stride(0), stride_wn=w.stride(1),
+            programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **config)
         return out
 
     def _ag_chunked(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -306,8 +285,8 @@ class AsyncTP(runtime.CommObject):
             if step == 0:
                 a = a_shard
             else:
-                self._wait_flag("ag_flags", shard, ag_kernels.TAG_SHARD)
-                a = self._symmetric["gathered"][shard * rows * k:(shard + 1) * rows * k].view(rows, k)
+                self._wait_flag("shard_flags", shard, ag_kernels.TAG_SHARD)
+                a = self.buffers.gathered[shard * rows * k:(shard + 1) * rows * k].view(rows, k)
             torch.matmul(a, w, out=out[shard * rows:(shard + 1) * rows])
         return out
 
@@ -343,10 +322,10 @@ class AsyncTP(runtime.CommObject):
             reference.reduce_scatter_tensor(out, a @ w, group=self.group)
         elif path == "fused":
             config = tile_config(m // self.world, n, a.element_size())
-            self._start("rs_flags", self.world * self._rs_tiles(m, n, config))
+            self._start("tile_flags", self.world * self._rs_tiles(m, n, config))
             self._rs_launch(a, w, out, config, 0, self.world)
         else:
-            self._start("rs_flags", self.world)
+            self._start("tile_flags", self.world)
             self._rs_send_chunked(a, w)
             self._rs_reduce_chunked(a, w, out)
         return out
@@ -384,7 +363,7 @@ class AsyncTP(runtime.CommObject):
             return out
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = tile_config(m, n, a.element_size())
-        self._start("rs_flags", self.world * self._ar_tiles(m, n, config))
+        self._start("tile_flags", self.world * self._ar_tiles(m, n, config))
         self._ar_launch(a, w, out, config, publish=True, reduce=True)
         return out
 
@@ -397,12 +376,12 @@ class AsyncTP(runtime.CommObject):
         n = w.shape[1]
         programs = min(self._programs, self._ar_tiles(m, n, config))
         ar_kernels.gemm_ar_kernel[(programs,)](
-            a=a, w=w, out=out, partials=self._symmetric["partials"], partial_peers=self._peers["partials"],
-            flags=self._symmetric["rs_flags"], flag_peers=self._peers["rs_flags"], state=self._state,
+            a=a, w=w, out=out, partials=self.buffers.partials, partial_peers=self._peers["partials"],
+            flags=self.buffers.tile_flags, flag_peers=self._peers["tile_flags"], state=self._state,
             status_addr=self._status.data_ptr(), M=m, N=n, K=k, rank=self.rank, world=self.world,
             timeout_ns=int(self.timeout_s * 1e9), stride_am=a.stride(0), stride_wk=w.stride(0),
             stride_wn=w.stride(1), programs=programs, EVEN_K=k % config["BLOCK_K"] == 0, PUBLISH=publish,
-            REDUCE=reduce, **config)
+            REDUCE=reduce, **self._descriptors(a, w, config), **config)
 
     def _rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
@@ -413,14 +392,23 @@ class AsyncTP(runtime.CommObject):
         n = w.shape[1]
         programs = min(self._programs, self.world * self._rs_tiles(m, n, config))
         rs_kernels.gemm_rs_kernel[(programs,)](
-            a, w, out, self._symmetric["partials"], self._peers["partials"], self._symmetric["rs_flags"],
-            self._peers["rs_flags"], self._state, self._status.data_ptr(), m // self.world, n, k, self.rank,
-            self.world, step_begin, step_end, int(self.timeout_s * 1e9), a.stride(0), w.stride(0), w.stride(1),
-            programs, EVEN_K=k % config["BLOCK_K"] == 0, **config)
+            a=a, w=w, out=out, partials=self.buffers.partials, partial_peers=self._peers["partials"],
+            flags=self.buffers.tile_flags, flag_peers=self._peers["tile_flags"], state=self._state,
+            status_addr=self._status.data_ptr(), rows=m // self.world, N=n, K=k, rank=self.rank, world=self.world,
+            step_begin=step_begin, step_end=step_end, timeout_ns=int(self.timeout_s * 1e9), stride_am=a.stride(0),
+            stride_wk=w.stride(0), stride_wn=w.stride(1), programs=programs, EVEN_K=k % config["BLOCK_K"] == 0,
+            **self._descriptors(a, w, config), **config)
+
+    def _descriptors(self, a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
+        """The fused kernels' tile-loop arguments for `tile_loop`: TMA, and a's and w's descriptors
+        (``matmul.operand_descriptors``) or None."""
+        if self.tile_loop == "pointer":
+            return dict(a_desc=None, w_desc=None, W_KMAJOR=False, TMA=False)
+        return dict(operand_descriptors(a, w, config), TMA=True)
 
     def _rs_send_chunked(self, a: torch.Tensor, w: torch.Tensor) -> None:
         """cuBLAS computes the rows bound for each peer (rank r+1's first) and the copy engine puts
-        them into that peer's `partials[rank]`, raising its flag rs_flags[rank]."""
+        them into that peer's `partials[rank]`, raising its flag tile_flags[rank]."""
         rows, n = a.shape[0] // self.world, w.shape[1]
         mine = slice(self.rank * rows * n, (self.rank + 1) * rows * n)
         for step in range(self.world - 1):
@@ -428,7 +416,7 @@ class AsyncTP(runtime.CommObject):
             part = a[dest * rows:(dest + 1) * rows] @ w
             with self._on_copy_stream():
                 self._put("partials", mine, part, dest)
-                self._raise_flag("rs_flags", dest, self.rank)
+                self._raise_flag("tile_flags", dest, self.rank)
             if self.device.type == "cuda":
                 part.record_stream(self._copy_stream)
 
@@ -438,10 +426,10 @@ class AsyncTP(runtime.CommObject):
         own = a[self.rank * rows:(self.rank + 1) * rows] @ w
         for src in range(self.world):
             if src != self.rank:
-                self._wait_flag("rs_flags", src, rs_kernels.TAG_TILE)
+                self._wait_flag("tile_flags", src, rs_kernels.TAG_TILE)
         numel = out.numel()
         rs_kernels.reduce_partials_kernel[(triton.cdiv(numel, 4096),)](
-            own, self._symmetric["partials"], out, self.rank, self.world, numel, BLOCK=4096, num_warps=8)
+            own, self.buffers.partials, out, self.rank, self.world, numel, BLOCK=4096, num_warps=8)
         if self.device.type == "cuda":
             torch.cuda.current_stream().wait_stream(self._copy_stream)
 
@@ -449,12 +437,12 @@ class AsyncTP(runtime.CommObject):
 
     def _start(self, flags: str, count: int) -> None:
         """Zero this rank's first `count` flags of `flags`, then a barrier over the group (see the module)."""
-        reset_and_barrier_kernel[(1,)](self._symmetric[flags], count, BLOCK=1024, num_warps=4,
+        reset_and_barrier_kernel[(1,)](getattr(self.buffers, flags), count, BLOCK=1024, num_warps=4,
                                        extern_libs=runtime.device_library())
 
     def _wait_flag(self, name: str, peer: int, tag: int) -> None:
         """Hold the current stream until this rank's flag `name`[peer] is set (bounded, see check())."""
-        wait_flag_kernel[(1,)](self._symmetric[name], peer, self._state, self._status.data_ptr(),
+        wait_flag_kernel[(1,)](getattr(self.buffers, name), peer, self._state, self._status.data_ptr(),
                                int(self.timeout_s * 1e9), peer, TAG=tag, num_warps=1)
 
     def _on_copy_stream(self):
@@ -466,7 +454,7 @@ class AsyncTP(runtime.CommObject):
     def _put(self, name: str, where: slice, src: torch.Tensor, peer: int) -> None:
         """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in stream order."""
         if self.device.type == "cuda":
-            runtime.put_on_stream(self._symmetric[name][where], src, peer, torch.cuda.current_stream())
+            runtime.put_on_stream(getattr(self.buffers, name)[where], src, peer, torch.cuda.current_stream())
         else:
             self._views[name][peer][where].copy_(src.flatten())
 
@@ -477,102 +465,3 @@ class AsyncTP(runtime.CommObject):
             runtime.stream_write_value(address, 1, torch.cuda.current_stream())
         else:
             self._views[name][peer][index] = 1
-
-
-# ---------------------------------------------------------------------------------------- autograd
-
-class AllGatherGemm(torch.autograd.Function):
-    """out [M, N] = all_gather(a_shard [M/W, K]) @ w [K, N] (and the gathered A [M, K] if asked), with
-
-        grad a_shard = reduce_scatter(grad_out @ w.T)     a GEMM reduce-scatter, overlapped as the forward is
-        grad w       = all_gather(a_shard).T @ grad_out   the gathered A, kept from the forward
-
-    ``ag(a_shard, w, return_gathered=...)`` and ``rs(a, w)`` are the two non-differentiable ops
-    (an AsyncTP's, or ``moe_ep.reference``'s on a process group). The gathered A is kept only when
-    w needs a gradient; grad_out is made contiguous (the ops take row-major activations).
-    """
-
-    @staticmethod
-    def forward(ctx, a_shard, w, ag, rs, return_gathered: bool = False):
-        keep = ctx.needs_input_grad[1]
-        if keep or return_gathered:
-            out, gathered = ag(a_shard, w, return_gathered=True)
-        else:
-            out, gathered = ag(a_shard, w), None
-        ctx.save_for_backward(gathered if keep else None, w)
-        ctx.rs = rs
-        if return_gathered:
-            ctx.mark_non_differentiable(gathered)
-            return out, gathered
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        gathered, w = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_a = ctx.rs(grad_out, w.t()) if ctx.needs_input_grad[0] else None
-        grad_w = gathered.t() @ grad_out if ctx.needs_input_grad[1] else None
-        return grad_a, grad_w, None, None, None
-
-
-class GemmReduceScatter(torch.autograd.Function):
-    """out [M/W, N] = reduce_scatter(a [M, K] @ w [K, N]), with
-
-        grad a = all_gather(grad_out) @ w.T               an all-gather GEMM, overlapped as the forward is
-        grad w = a.T @ all_gather(grad_out)               the gathered grad_out that GEMM hands back
-
-    ``rs(a, w)`` and ``ag(a_shard, w, return_gathered=...)`` as in ``AllGatherGemm``.
-    """
-
-    @staticmethod
-    def forward(ctx, a, w, rs, ag):
-        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
-        ctx.ag = ag
-        return rs(a, w)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        a, w = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if not ctx.needs_input_grad[1]:
-            return ctx.ag(grad_out, w.t()), None, None, None
-        grad_a, gathered = ctx.ag(grad_out, w.t(), return_gathered=True)
-        return (grad_a if ctx.needs_input_grad[0] else None), a.t() @ gathered, None, None
-
-
-class GemmAllReduce(torch.autograd.Function):
-    """out [M, N] = all_reduce(a [M, K] @ w [K, N]), the same on every rank, with
-
-        grad a = grad_out @ w.T,  grad w = a.T @ grad_out   no communication: every rank's grad_out
-                                                             is the gradient of the whole output
-
-    ``ar(a, w)`` is the non-differentiable op (an AsyncTP's, or ``moe_ep.reference.gemm_ar``).
-    """
-
-    @staticmethod
-    def forward(ctx, a, w, ar):
-        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, w)
-        return ar(a, w)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        a, w = ctx.saved_tensors
-        grad_a = grad_out @ w.t() if ctx.needs_input_grad[0] else None
-        grad_w = a.t() @ grad_out if ctx.needs_input_grad[1] else None
-        return grad_a, grad_w, None
-
-
-class AllReduceGrad(torch.autograd.Function):
-    """x unchanged; its gradient summed over the group's ranks: the input of a column-parallel layer
-    without sequence parallelism, whose every rank's output depends on the whole, replicated x."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        reference.all_reduce(grad, group=ctx.group)
-        return grad, None

@@ -2,17 +2,19 @@
 
 Edge cases: empty experts, one row, a count equal to the capacity, every expert empty, both tile
 shape classes, packed and capacity layouts on either side, FP8 rows. Rows that the counts leave
-out must keep what the output held. The interpreter's bfloat16 dot is not usable, so bfloat16 runs
-on the GPU only.
+out must keep what the output held. Every case runs with each way of loading operands (VARIANTS:
+pointers, tensor descriptors). The interpreter's bfloat16 dot is not usable, so bfloat16 runs on
+the GPU only (one GPU is enough: those cases are skipped on CPU, not marked `gpu`).
 """
 import pytest
 import torch
 
-from moe_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, VARIANTS, grouped_gemm, grouped_gemm_reference
 from moe_ep.reference import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FILL = 7.0
+on_gpu = pytest.mark.skipif(DEVICE == "cpu", reason="bfloat16 dots and large shapes: compiled, on a GPU")
 
 
 def _tolerance(dtype):
@@ -42,34 +44,36 @@ def _check_capacity(out, expected, counts, tol):
     (3, 130, 64, 160, [130, 0, 129], torch.float32, 1000),     # prefill tiles (128 rows), two row blocks
     (2, 8, 64, 32, [0, 0], torch.float32, None),               # nothing to do
     (2, 5, 40, 24, [5, 2], torch.float32, None),               # K not a multiple of BLOCK_K
-    pytest.param(4, 8, 256, 64, [8, 0, 3, 7], torch.bfloat16, None, marks=pytest.mark.gpu),
-    pytest.param(8, 512, 2048, 1536, [512, 0, 1, 300, 256, 511, 64, 65], torch.bfloat16, 1000,
-                 marks=pytest.mark.gpu),
+    pytest.param(4, 8, 256, 64, [8, 0, 3, 7], torch.bfloat16, None, marks=on_gpu),
+    pytest.param(8, 512, 2048, 1536, [512, 0, 1, 300, 256, 511, 64, 65], torch.bfloat16, 1000, marks=on_gpu),
+    pytest.param(4, 1024, 2048, 1536, [0, 0, 1024, 0], torch.bfloat16, 256, marks=on_gpu),  # all rows to one expert
 ])
-def test_matches_reference(experts, rows, k, n, counts, dtype, rows_per_expert):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_reference(experts, rows, k, n, counts, dtype, rows_per_expert, variant):
     a, w, counts = _inputs(experts, rows, k, n, counts, dtype)
     out = torch.full((experts, rows, n), FILL, dtype=dtype, device=DEVICE)
-    grouped_gemm(a, w, counts, out=out, rows_per_expert=rows_per_expert)
+    grouped_gemm(a, w, counts, out=out, rows_per_expert=rows_per_expert, variant=variant)
     _check_capacity(out, grouped_gemm_reference(a, w, counts), counts, _tolerance(dtype))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("rows_per_expert", [None, 1000])
-def test_gated_packed_out_then_packed_in(activation, rows_per_expert):
+def test_gated_packed_out_then_packed_in(activation, rows_per_expert, variant):
     """The two GEMMs of an MoE layer: gated gate_up into packed rows, then down back to capacity rows."""
     experts, rows, hidden, inter = 4, 20, 64, 48
     a, gate_up, counts = _inputs(experts, rows, hidden, 2 * inter, [3, 0, 20, 1], torch.float32)
     down = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
     packed_rows = 30                                             # > sum(counts) = 24: spare rows stay as they were
     h = torch.full((packed_rows, inter), FILL, device=DEVICE)
-    grouped_gemm(a, gate_up, counts, out=h, activation=activation, rows_per_expert=rows_per_expert)
+    grouped_gemm(a, gate_up, counts, out=h, activation=activation, rows_per_expert=rows_per_expert, variant=variant)
     expected_h = grouped_gemm_reference(a, gate_up, counts, activation=activation)
     tol = _tolerance(torch.float32)
     torch.testing.assert_close(h[:24], _pack(expected_h, counts), rtol=tol, atol=tol)
     assert (h[24:] == FILL).all()
 
     out = torch.full((experts, rows, hidden), FILL, device=DEVICE)
-    grouped_gemm(h, down, counts, out=out, rows_per_expert=rows_per_expert)
+    grouped_gemm(h, down, counts, out=out, rows_per_expert=rows_per_expert, variant=variant)
     _check_capacity(out, grouped_gemm_reference(expected_h, down, counts), counts, tol)
 
 
@@ -90,8 +94,9 @@ def test_packed_rows_argument_allocates_packed_out():
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_fp8_input_dequantized_on_load(activation):
+def test_fp8_input_dequantized_on_load(activation, variant):
     g = torch.Generator().manual_seed(0)
     experts, rows, k, n = 2, 16, 256, 32
     x = torch.randn(experts * rows, k, generator=g)
@@ -100,7 +105,7 @@ def test_fp8_input_dequantized_on_load(activation):
     w = (torch.randn(experts, n, k, generator=g) / k**0.5).to(DEVICE)
     counts = torch.tensor([16, 9], dtype=torch.int32, device=DEVICE)
     out = torch.full((experts, rows, n // 2 if activation else n), FILL, device=DEVICE)
-    grouped_gemm(q, w, counts, scales, 128, out=out, activation=activation)
+    grouped_gemm(q, w, counts, scales, 128, out=out, activation=activation, variant=variant)
     _check_capacity(out, grouped_gemm_reference(q, w, counts, scales, 128, activation), counts,
                     1e-5 if DEVICE == "cpu" else 2e-2)
 
@@ -124,13 +129,18 @@ def test_bad_shapes_raise():
         grouped_gemm(a.to(torch.float8_e4m3fn), torch.zeros(2, 8, 64, device=DEVICE), counts,
                      torch.ones(2, 4, 2, device=DEVICE), 32, tiles=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
                                                                         num_warps=4, num_stages=2, programs_per_sm=1))
+    with pytest.raises(ValueError, match="variant"):
+        grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, variant="cublas")
+    with pytest.raises(ValueError, match="16-byte aligned"):                   # rows of 6 fp32: 24 bytes
+        grouped_gemm(torch.zeros(2, 4, 6, device=DEVICE), torch.zeros(2, 8, 6, device=DEVICE), counts, variant="tma")
     with pytest.raises(ValueError, match="out must be"):
         grouped_gemm(a, torch.zeros(2, 8, 64, device=DEVICE), counts, out=torch.zeros(2, 4, 4, device=DEVICE))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows_fp8", [False, True])
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_fp8_weights(rows_fp8, activation):
+def test_fp8_weights(rows_fp8, activation, variant):
     """FP8 tensor-core path: 128 x 128 weight blocks; rows FP8 from dispatch, or quantized on load."""
     from moe_ep.kernels.quant import quantize_weights_fp8
     experts, rows, k, n = 3, 20, 256, 256
@@ -141,9 +151,33 @@ def test_fp8_weights(rows_fp8, activation):
         q, scales = quantize_fp8(a.reshape(-1, k).cpu(), 128)
         a, scales = q.view(a.shape).to(DEVICE), scales.view(experts, rows, 2).to(DEVICE)
     out = torch.full((experts, rows, n // 2 if activation else n), FILL, dtype=torch.bfloat16, device=DEVICE)
-    grouped_gemm(a, w_q, counts, scales, 128, out=out, activation=activation, w_scales=w_scales)
+    grouped_gemm(a, w_q, counts, scales, 128, out=out, activation=activation, w_scales=w_scales, variant=variant)
     expected = grouped_gemm_reference(a, w_q, counts, scales, 128, activation, w_scales=w_scales)
     _check_capacity(out, expected, counts, 1e-2)                  # bf16 out: one rounding apart at most
     exact = grouped_gemm_reference(a, w, counts, scales, 128, activation)
     error = (out[0].float() - exact[0].float()).norm() / exact[0].float().norm()
     assert error < 0.1, f"FP8 weights (and rows) cost {error:.3g} relative error"   # e4m3: 2**-4 per rounding
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(TILE_CANDIDATES))
+def test_tile_candidates(name, variant):
+    """Every candidate tile shape bench_gemm.py times, for the weights it is meant for: small shapes
+    with edges in every dimension in the interpreter, DeepSeek-V3's K on the GPU."""
+    from moe_ep.kernels.quant import quantize_weights_fp8
+    tiles, precisions = TILE_CANDIDATES[name]
+    experts, rows, k, n = (4, 300, 7168, 512) if DEVICE == "cuda" else (3, 70, 256, 384)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    a, w, counts = _inputs(experts, rows, k, n, [rows, 0, 1, rows - 5][:experts], dtype)
+    w_scales = None
+    if "fp8" in precisions:
+        q, scales = quantize_fp8(a.reshape(-1, k).float().cpu(), 128)
+        a, scales = q.view(a.shape).to(DEVICE), scales.view(experts, rows, k // 128).to(DEVICE)
+        w, w_scales = quantize_weights_fp8(w)
+    else:
+        scales = None
+    out_dtype = torch.bfloat16 if "fp8" in precisions else dtype
+    out = torch.full((experts, rows, n), FILL, dtype=out_dtype, device=DEVICE)
+    grouped_gemm(a, w, counts, scales, 128, out=out, w_scales=w_scales, tiles=tiles, variant=variant)
+    expected = grouped_gemm_reference(a, w, counts, scales, 128, w_scales=w_scales)
+    _check_capacity(out, expected, counts, 2e-2 if DEVICE == "cuda" or "fp8" in precisions else 1e-5)

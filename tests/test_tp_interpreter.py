@@ -4,8 +4,9 @@ Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensor
 views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
 then every rank's pushes (all-gather) or sends (reduce-scatter, all-reduce), then every rank's
-GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs)
-and "chunked" (one GEMM per shard, the bounded wait kernel and the reduction kernel between them).
+GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs,
+with each tile loop of FUSED_VARIANTS: pointer loads and tensor descriptors) and "chunked" (one
+GEMM per shard, the bounded wait kernel and the reduction kernel between them).
 Results are compared with torch in float64; the kernels sum in fp32.
 """
 import os
@@ -14,17 +15,17 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import matmul, tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0):
+def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0, tile_loop="pointer"):
     ranks = []
     for rank in range(world):
         tp = AsyncTP.__new__(AsyncTP)
-        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s)
+        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s, tile_loop)
         tp.group, tp.device = None, torch.device("cpu")
         tp._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
         ranks.append(tp)
@@ -50,26 +51,30 @@ AG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked"])
+# the overlapped paths, and the fused one with each tile loop
+PATHS = [("fused", loop) for loop in FUSED_VARIANTS] + [("chunked", "pointer")]
+
+
+@pytest.mark.parametrize("path,tile_loop", PATHS)
 @pytest.mark.parametrize("case", range(len(AG_CASES)))
-def test_all_gather_gemm(case, path):
+def test_all_gather_gemm(case, path, tile_loop):
     world, rows, k, n, dtype, transposed = AG_CASES[case]
-    ranks = simulated_group(world, world * rows, max(k, n), dtype)
+    ranks = simulated_group(world, world * rows, max(k, n), dtype, tile_loop=tile_loop)
     for call in range(2):                                     # buffers and flags reused by a second call
         g = torch.Generator().manual_seed(call)
         shards = [torch.randn(rows, k, generator=g).to(dtype) for _ in range(world)]
         ws = weights(world, k, n, dtype, transposed, seed=10 + call)
         for tp in ranks:
-            tp._symmetric["ag_flags"].zero_()
+            tp.buffers.shard_flags.zero_()
         for r, tp in enumerate(ranks):
             tp._ag_push(shards[r], own_copy=True)
         outs = [getattr(tp, f"_ag_{path}")(shards[r], ws[r]) for r, tp in enumerate(ranks)]
         full = torch.cat(shards).double()
         for r, tp in enumerate(ranks):
-            assert torch.equal(tp._symmetric["gathered"][:world * rows * k].view(-1, k), torch.cat(shards))
+            assert torch.equal(tp.buffers.gathered[:world * rows * k].view(-1, k), torch.cat(shards))
             tol = 1e-4 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(outs[r].double(), full @ ws[r].double(), rtol=tol, atol=tol)
-            assert tp._symmetric["ag_flags"].tolist() == [int(s != r) for s in range(world)]
+            assert tp.buffers.shard_flags.tolist() == [int(s != r) for s in range(world)]
             assert not tp._status.any()
 
 
@@ -85,7 +90,7 @@ def run_gemm_rs(ranks, a, ws, path):
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
     config = tile_config(m // world, n, a[0].element_size())
     for tp in ranks:
-        tp._symmetric["rs_flags"].zero_()
+        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every partial bound for a peer
         if path == "fused":
@@ -100,12 +105,12 @@ def run_gemm_rs(ranks, a, ws, path):
     return outs
 
 
-@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("path,tile_loop", PATHS)
 @pytest.mark.parametrize("case", range(len(RS_CASES)))
-def test_gemm_reduce_scatter(case, path):
+def test_gemm_reduce_scatter(case, path, tile_loop):
     world, rows, k, n, dtype, transposed = RS_CASES[case]
     m = world * rows
-    ranks = simulated_group(world, m, n, dtype)
+    ranks = simulated_group(world, m, n, dtype, tile_loop=tile_loop)
     for call in range(2):
         g = torch.Generator().manual_seed(call)
         a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
@@ -126,7 +131,7 @@ def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
     shards = [torch.randn(4, 16) for _ in ranks]
     w = torch.randn(16, 8)
     for tp in ranks:
-        tp._symmetric["ag_flags"].zero_()
+        tp.buffers.shard_flags.zero_()
     ranks[0]._ag_push(shards[0], own_copy=False)             # rank 1 never pushes
     getattr(ranks[0], f"_ag_{path}")(shards[0], w)
     with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank 1"):
@@ -140,7 +145,7 @@ def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
 def test_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
-    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0].buffers.tile_flags.zero_()
     ranks[0]._rs_reduce_chunked(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
         ranks[0].check()
@@ -150,7 +155,7 @@ def run_gemm_ar(ranks, a, ws):
     m, n = a[0].shape[0], ws[0].shape[1]
     config = tile_config(m, n, a[0].element_size())
     for tp in ranks:
-        tp._symmetric["rs_flags"].zero_()
+        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every tile published to every rank
         tp._ar_launch(a[r], ws[r], outs[r], config, publish=True, reduce=False)
@@ -168,10 +173,11 @@ AR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile_loop", FUSED_VARIANTS)
 @pytest.mark.parametrize("case", range(len(AR_CASES)))
-def test_gemm_all_reduce(case):
+def test_gemm_all_reduce(case, tile_loop):
     world, m, k, n, dtype, transposed = AR_CASES[case]
-    ranks = simulated_group(world, world * m, n, dtype)      # the fused path takes M <= max_rows / W
+    ranks = simulated_group(world, world * m, n, dtype, tile_loop=tile_loop)   # "fused" takes M <= max_rows / W
     for call in range(2):
         g = torch.Generator().manual_seed(call)
         a = [torch.randn(m, k, generator=g).to(dtype) for _ in range(world)]
@@ -189,22 +195,12 @@ def test_gemm_all_reduce(case):
 def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    ranks[0]._symmetric["rs_flags"].zero_()
+    ranks[0].buffers.tile_flags.zero_()
     ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
 
 
-# M, K, N, dtype, w transposed: the fused kernels' GEMM alone (what bench_tp.py holds against cuBLAS)
-MATMUL_CASES = [(150, 64, 300, torch.float32, False), (70, 40, 130, torch.float32, True),
-                (1, 48, 20, torch.float32, False), (33, 64, 96, torch.float16, True)]
-
-
-@pytest.mark.parametrize("case", range(len(MATMUL_CASES)))
-def test_matmul(case):
-    m, k, n, dtype, transposed = MATMUL_CASES[case]
-    g = torch.Generator().manual_seed(case)
-    a = torch.randn(m, k, generator=g).to(dtype)
-    w = weights(1, k, n, dtype, transposed, seed=40 + case)[0]
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(matmul(a, w, programs=3).double(), a.double() @ w.double(), rtol=tol, atol=tol)
+def test_tile_loop_must_be_one_the_fused_kernels_run():
+    with pytest.raises(ValueError, match="tile_loop must be one of"):
+        simulated_group(2, 8, 16, torch.float32, tile_loop="tma_ws")     # matmul's alone: its loop has no waits

@@ -15,20 +15,22 @@ import triton
 import triton.language as tl
 
 from ..shmem import wait_until_ge
-from .matmul import matmul_tile, tile_coords
+from .matmul import matmul_tile, matmul_tile_tma, tile_coords
 
 TAG_SHARD = tl.constexpr(5)
 TAGS = {5: "all-gather GEMM (waiting for a peer's shard)"}
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "programs"])
-def ag_gemm_kernel(a_local, gathered, w, out, flags, state, status_addr,
+def ag_gemm_kernel(a_local, gathered, w, out, flags, state, status_addr, a_desc, gathered_desc, w_desc,
                    rows, N, K, rank, world, timeout_ns, stride_wk, stride_wn, programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
     """a_local [rows, K]; gathered [world * rows, K] (symmetric, rank r's shard at rows r*rows...);
     w [K, N] (strides stride_wk, stride_wn); out [world * rows, N]; flags [world] int64 (symmetric:
-    flag s is 1 once shard s has landed); state [programs] int64 clock words; status: int32[5]."""
+    flag s is 1 once shard s has landed); state [programs] int64 clock words; status: int32[5].
+    TMA: operands loaded through a_desc, gathered_desc and w_desc (``matmul.operand_descriptors``;
+    a box of a shard's last rows reaches into the next shard's, whose results are masked at the store)."""
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
     tiles_m = tl.cdiv(rows, BLOCK_M)
@@ -48,8 +50,16 @@ def ag_gemm_kernel(a_local, gathered, w, out, flags, state, status_addr,
         else:
             a = a_local
         pid_m, pid_n = tile_coords(tile - step * per_shard, tiles_m, tiles_n, GROUP_M)
-        acc = matmul_tile(a, K, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        if TMA:   # one call of the tile loop (two would each get their own pipeline buffers)
+            a_rows = a_desc
+            first_row = pid_m * BLOCK_M
+            if step > 0:
+                a_rows = gathered_desc
+                first_row += shard * rows
+            acc = matmul_tile_tma(a_rows, first_row, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
+        else:
+            acc = matmul_tile(a, K, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out + shard.to(tl.int64) * rows * N + offs_m[:, None] * N + offs_n[None, :],

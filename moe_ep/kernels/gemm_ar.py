@@ -25,21 +25,24 @@ Reference: ``moe_ep.reference.gemm_ar`` (the same partials, rounded the same way
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add, wait_until_ge
-from .matmul import matmul_tile, tile_coords
+from ..shmem import signal_add
+from .gemm_rs import sum_peer_tiles
+from .matmul import gemm_tile, tile_coords
 
 TAG_TILE = tl.constexpr(7)
 TAGS = {TAG_TILE.value: "GEMM all-reduce (waiting for a peer's partials)"}
 
 
 @triton.jit(do_not_specialize=["M", "rank", "world", "programs"])
-def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr,
+def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
                    M, N, K, rank, world, timeout_ns, stride_am, stride_wk, stride_wn, programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, PUBLISH: tl.constexpr, REDUCE: tl.constexpr):
+                   EVEN_K: tl.constexpr, PUBLISH: tl.constexpr, REDUCE: tl.constexpr, TMA: tl.constexpr,
+                   W_KMAJOR: tl.constexpr):
     """a [M, K] (row stride stride_am); w [K, N] (any strides); out [M, N]; partials [world, M, N]
     in out's dtype and flags [world, tiles] int64 are symmetric, partial_peers / flag_peers [world]
-    int64 hold every rank's address of them; state [programs] int64 clock words; status int32[5]."""
+    int64 hold every rank's address of them; state [programs] int64 clock words; status int32[5].
+    TMA: a and w loaded through a_desc and w_desc (``matmul.operand_descriptors``)."""
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -54,8 +57,8 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         offsets = offs_m[:, None] * N + offs_n[None, :]        # inside one [M, N] slab: 32 bits
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         if PUBLISH:
-            acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
             part = acc.to(out.dtype.element_ty)
             tl.store(partials + rank * slab + offsets, part, mask=mask)
             for step in range(1, world):             # rank r+1 first, as every other exchange here
@@ -66,12 +69,7 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
                 signal_add(peer_flags + rank * tiles + t, 1)
         if REDUCE:
             tl.debug_barrier()                       # this program's stores to its own slot, before its loads
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for src in range(0, world):
-                if src != rank:
-                    if failed == 0:
-                        landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG_TILE,
-                                               state + pid)
-                        failed = tl.where(landed, 0, 1)
-                total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+            total, failed = sum_peer_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), partials, slab, offsets, mask,
+                                           flags, tiles, t, rank, world, timeout_ns, status, state + pid, failed,
+                                           TAG_TILE, True)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)

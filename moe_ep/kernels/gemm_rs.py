@@ -25,24 +25,45 @@ import triton
 import triton.language as tl
 
 from ..shmem import signal_add, wait_until_ge
-from .matmul import matmul_tile, tile_coords
+from .matmul import gemm_tile, tile_coords
 
 TAG_TILE = tl.constexpr(6)
-TAGS = {6: "GEMM reduce-scatter (waiting for a peer's partials)"}
+TAGS = {TAG_TILE.value: "GEMM reduce-scatter (waiting for a peer's partials)"}
+
+
+@triton.jit
+def sum_peer_tiles(total, partials, slab, offsets, mask, flags, tiles, t, rank, world, timeout_ns, status,
+                   state, failed, TAG: tl.constexpr, WITH_OWN: tl.constexpr):
+    """total [BLOCK_M, BLOCK_N] fp32 + the same tile of every rank's slot of `partials`, in rank order,
+    each peer's once its flag has landed; the own slot too when WITH_OWN (it is in `partials` then).
+
+    partials [world, slab] (this rank's symmetric copy; `offsets`/`mask` pick the tile in a slab);
+    flags [world, tiles] int64, flag (src, t) is 1 once rank src's tile t has landed. `failed` is 1
+    once a wait of this program has timed out: later waits are skipped, as the status already holds
+    the error. Returns (total, failed). Used by GEMM reduce-scatter and GEMM all-reduce."""
+    for src in range(0, world):
+        if src != rank:
+            if failed == 0:
+                landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG, state)
+                failed = tl.where(landed, 0, 1)
+        if WITH_OWN or src != rank:
+            total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+    return total, failed
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
-def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr,
+def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
                    rows, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am, stride_wk, stride_wn,
                    programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
     """a [world * rows, K] (row stride stride_am); w [K, N] (any strides); out [rows, N];
     partials [world, rows, N] in out's dtype and flags [world, tiles per shard] int64 are symmetric,
     partial_peers / flag_peers [world] int64 hold every rank's address of them; state [programs]
     int64 clock words; status int32[5].
 
     The launch covers the steps [step_begin, step_end) of the schedule (0: the first shard to
-    leave, world - 1: the own shard); on the GPU that is all of them in one launch.
+    leave, world - 1: the own shard); on the GPU that is all of them in one launch. TMA: a and w
+    loaded through a_desc and w_desc (``matmul.operand_descriptors``).
     """
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
@@ -56,8 +77,8 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         t = tile - step * per_shard
         dest = (rank + 1 + step) % world
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        acc = matmul_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, w, stride_wk, stride_wn,
-                          pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = gemm_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, a_desc, dest * rows, w, stride_wk,
+                        stride_wn, w_desc, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
         part = acc.to(out.dtype.element_ty)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,14 +90,8 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
             signal_add(peer_flags + rank * per_shard + t, 1)
         else:
-            total = part.to(tl.float32)              # one fp32 tile live: the own partial, then the peers'
-            for src in range(0, world):
-                if src != rank:
-                    if failed == 0:
-                        landed = wait_until_ge(flags + src * per_shard + t, 1, timeout_ns, status, src, TAG_TILE,
-                                               state + pid)
-                        failed = tl.where(landed, 0, 1)
-                    total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+            total, failed = sum_peer_tiles(part.to(tl.float32), partials, slab, offsets, mask, flags, per_shard, t,
+                                           rank, world, timeout_ns, status, state + pid, failed, TAG_TILE, False)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
 
 

@@ -27,6 +27,13 @@ takes tiles pid, pid + programs, ... of that list. An empty expert has no tiles,
 count are never read or written, and a program past the last tile exits at once: no host sync.
 Inside an expert the row-blocks of one column-block are consecutive, so programs running at the
 same time share the weight tile they read (L2).
+
+Operands are loaded one of two ways (``VARIANTS``): pointer loads (cp.async), or, "tma", through
+tensor descriptors (``matmul.descriptor``) over a as [rows of all experts, K] and w as [E * N, K]:
+a box may then reach into the next expert's rows (their outputs are masked at the store, and row r
+of a dot depends on row r of a only) or past the end (zeros). Outputs are stored with pointers
+either way: rows past a count must keep what out held, which a descriptor's box cannot skip.
+Until benchmarks/bench_gemm.py has measured it on Hopper, "tma" is a candidate (DEFAULT_VARIANT).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .matmul import descriptor
 from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
 
 # The activations the gated form applies in its epilogue, by name, and what each means in torch.
@@ -53,12 +61,29 @@ TILE_CONFIGS = {
     "decode": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
     "prefill": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
 }
+# Candidates for the prefill class, timed by benchmarks/bench_gemm.py against the table (none is
+# in it until measured): name -> (entry, the precisions of the weights it is for). Each fits 227 KB
+# of shared memory and 255 registers a thread (ptxas for sm_90, triton 3.6):
+#   128 x 256 x 64, 8 warps: two wgmma warpgroups of 64 x 256; 3 stages of 48 KB, or 4 (192 KB).
+#   FP8: a step keeps the dot's result beside the accumulator to scale it (255 registers at 128 x 128
+#   with 8 warps), so narrower tiles: 64 x 128 x 128 with 4 warps and 4 stages of 24 KB, two programs
+#   an SM, one scaling while the other's wgmma runs (194 registers); 64 x 256 x 128, 8 warps (195).
+TILE_CANDIDATES = {
+    "128x256": (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1), ("bf16",)),
+    "128x256, 4 stages": (dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
+                          ("bf16",)),
+    "64x128, 2 an SM": (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2),
+                        ("fp8",)),
+    "64x256": (dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, programs_per_sm=1), ("fp8",)),
+}
 WEIGHT_BLOCK = tl.constexpr(128)   # FP8 weights: one scale per 128 x 128 tile (DeepSeek-V3's); BLOCK_K is 128 then
 DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile covers an expert
 # Shared memory for the pipeline's stages: an H100/H200 block gets 227 KB, and the epilogue's layout
 # conversion takes up to 64 KB more (seen: fp32 128 x 128 tiles need 256 KB for 4 stages of 64 KB).
 STAGE_MEMORY = 160 * 1024
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
+VARIANTS = ("pointer", "tma")   # how operands are loaded (see the module docstring)
+DEFAULT_VARIANT = "pointer"
 
 
 @triton.jit
@@ -70,16 +95,29 @@ def _activation(x, ACTIVATION: tl.constexpr):
     return y
 
 
+@triton.jit
+def _weight_tile(w_tile, k, w_desc, row, k0, TMA: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of an expert's w.T: columns k of the weight rows at w_tile (pointers), or
+    the [BLOCK_N, BLOCK_K] box of w_desc at (row, k0), transposed (TMA)."""
+    if TMA:
+        tile = w_desc.load([row, k0]).T
+    else:
+        tile = tl.load(w_tile + k[:, None])
+    return tile
+
+
 @triton.jit(do_not_specialize=["rows", "packed_rows", "experts"])
-def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, rows, packed_rows, experts,
-                        K: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, FP8: tl.constexpr, W_FP8: tl.constexpr,
-                        GROUP: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, A_PACKED: tl.constexpr,
-                        OUT_PACKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, a_desc, w_desc, rows, packed_rows,
+                        experts, K: tl.constexpr, N: tl.constexpr, N_OUT: tl.constexpr, FP8: tl.constexpr,
+                        W_FP8: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                        A_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """a: [E * rows, K] or packed [packed_rows, K]; scale: [same rows, K // GROUP] f32 (FP8 a only);
     w: [E, N, K]; w_scale: [E, N / WEIGHT_BLOCK, K / WEIGHT_BLOCK] f32 (FP8 w only);
     out: [E * rows, N_OUT] or packed [packed_rows, N_OUT]; N_OUT = N / 2 when GATED.
-    Rows and columns past the edges compute from row / column 0 and are masked at the store."""
+    TMA: a_desc over a as [*, K] in [BLOCK_M, BLOCK_K] boxes, w_desc over w as [E * N, K] in
+    [BLOCK_N, BLOCK_K] boxes (else both None). Rows and columns past the edges compute from row /
+    column 0 (pointers) or from whatever the box holds there (TMA) and are masked at the store."""
     e = tl.arange(0, E_PAD)
     counts = tl.minimum(tl.maximum(tl.load(counts_ptr + e, mask=e < experts, other=0), 0), rows)
     tiles = tl.cdiv(counts, BLOCK_M) * tl.cdiv(N_OUT, BLOCK_N)
@@ -91,8 +129,10 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
         count = tl.sum(tl.where(mine, counts, 0))
         local = t - tl.sum(tl.where(mine, tile_end - tiles, 0))
         tiles_m = tl.cdiv(count, BLOCK_M)
-        m = (local % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = (local // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m0 = (local % tiles_m) * BLOCK_M
+        n0 = (local // tiles_m) * BLOCK_N
+        m = m0 + tl.arange(0, BLOCK_M)
+        n = n0 + tl.arange(0, BLOCK_N)
         start = tl.sum(tl.where(mine, row_start, 0))
         valid = (m < count) & (start + m < packed_rows)               # packed rows past the buffer: never
         m_in = tl.where(valid, m, 0)                                   # row 0 exists: count > 0 here
@@ -105,11 +145,15 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
             out_first = start.to(tl.int64)
         a_tile = a_ptr + a_first * K + m_in[:, None] * K               # 64-bit base, 32-bit offsets
         w_tile = w_ptr + expert.to(tl.int64) * N * K + n_in[None, :] * K
+        a_row = (a_first + m0).to(tl.int32)                            # TMA coordinates are 32-bit
+        w_row = expert * N + n0
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
+            if TMA:   # zeros past K in both
+                a = a_desc.load([a_row, k0])
+            elif EVEN_K:
                 a = tl.load(a_tile + k[None, :])
             else:   # zeros past K in a; w reads column 0 there instead (readable, multiplied by zero)
                 a = tl.load(a_tile + k[None, :], mask=(k < K)[None, :], other=0.0)
@@ -122,20 +166,20 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
                     a = to_fp8(a)
                 w_scales = w_scale_ptr + expert.to(tl.int64) * (N // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK) \
                     + k0 // WEIGHT_BLOCK
-                w = tl.load(w_tile + k[:, None])
+                w = _weight_tile(w_tile, k, w_desc, w_row, k0, TMA)
                 w_scale = tl.load(w_scales + (n_in // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
                 acc += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
                 if GATED:
-                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    w = _weight_tile(w_tile + N_OUT * K, k, w_desc, w_row + N_OUT, k0, TMA)
                     w_scale = tl.load(w_scales + ((N_OUT + n_in) // WEIGHT_BLOCK) * (K // WEIGHT_BLOCK))
                     up += tl.dot(a, w) * (scale[:, None] * w_scale[None, :])
             else:
                 if FP8:
                     a = (a.to(tl.float32) * scale[:, None]).to(w_ptr.dtype.element_ty)
-                w = tl.load(w_tile + k[:, None])
+                w = _weight_tile(w_tile, k, w_desc, w_row, k0, TMA)
                 acc = tl.dot(a, w, acc)
                 if GATED:
-                    w = tl.load(w_tile + N_OUT * K + k[:, None])
+                    w = _weight_tile(w_tile + N_OUT * K, k, w_desc, w_row + N_OUT, k0, TMA)
                     up = tl.dot(a, w, up)
         if GATED:
             acc = _activation(acc, ACTIVATION) * up
@@ -164,12 +208,14 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: boo
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                  group: int = 128, out: torch.Tensor | None = None, activation: str | None = None,
                  packed_rows: int | None = None, rows_per_expert: float | None = None,
-                 w_scales: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+                 w_scales: torch.Tensor | None = None, tiles: dict | None = None,
+                 variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """a [E, R, K] or packed [P, K]; w [E, N, K]; counts [E] int32 on a's device; scales like a with
     K // group columns, f32, for FP8 a. activation None, "silu" or "gelu" (gated: N_out = N / 2).
     FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
     tiles: an entry like TILE_CONFIGS' to use as it is instead of the table's (for tuning; BLOCK_N
-    counts output columns, BLOCK_K must divide the FP8 groups).
+    counts output columns, BLOCK_K must divide the FP8 groups). variant: one of VARIANTS ("tma" needs
+    a and w non-empty with 16-byte aligned rows: K a multiple of 8 in bf16, of 16 in FP8).
 
     out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
     packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
@@ -184,6 +230,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     if counts.shape != (experts,) or counts.dtype != torch.int32 or counts.device != a.device:
         raise ValueError(f"counts must be int32 [{experts}] on {a.device}, got {counts.dtype} "
                          f"{tuple(counts.shape)} on {counts.device}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if activation not in (None, *ACTIVATIONS):
         raise ValueError(f"activation must be None or one of {tuple(ACTIVATIONS)}, got {activation!r}")
     k, n = a.shape[-1], w.shape[1]
@@ -224,11 +272,17 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n_out, config["BLOCK_N"])
     programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
-    grouped_gemm_kernel[grid](a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows,
-                              packed_rows, experts, K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group,
+    a_desc = w_desc = None
+    if variant == "tma":
+        a_desc = descriptor(a.view(-1, k), [config["BLOCK_M"], config["BLOCK_K"]])
+        w_desc = descriptor(w.view(-1, k), [config["BLOCK_N"], config["BLOCK_K"]])
+    grouped_gemm_kernel[grid](a_ptr=a, scale_ptr=scales if fp8 else a, w_ptr=w,
+                              w_scale_ptr=w_scales if fp8_weights else w, out_ptr=out, counts_ptr=counts,
+                              a_desc=a_desc, w_desc=w_desc, rows=rows, packed_rows=packed_rows, experts=experts,
+                              K=k, N=n, N_OUT=n_out, FP8=fp8, W_FP8=fp8_weights, GROUP=group,
                               GATED=activation is not None, ACTIVATION=activation or "", A_PACKED=a.dim() == 2,
                               OUT_PACKED=out.dim() == 2, E_PAD=max(2, triton.next_power_of_2(experts)),
-                              EVEN_K=k % config["BLOCK_K"] == 0, **config)
+                              EVEN_K=k % config["BLOCK_K"] == 0, TMA=variant == "tma", **config)
     return out
 
 

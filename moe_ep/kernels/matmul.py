@@ -1,8 +1,23 @@
 """What the async-TP GEMMs (``ag_gemm``, ``gemm_rs``, ``gemm_ar``) share: the tile loop, the tile
 order inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded
 wait that a stream can be held on between two cuBLAS calls). ``matmul`` is their GEMM alone, with
-no communication: what benchmarks/bench_tp.py holds against cuBLAS (the fused paths can only win
-where it comes close).
+no communication: what benchmarks/bench_gemm.py and bench_tp.py hold against cuBLAS (the fused
+paths can only win where it comes close).
+
+A tile is computed one of two ways (``VARIANTS``):
+  - pointer loads (``matmul_tile``): Triton pipelines them as cp.async copies into shared memory;
+  - tensor descriptors (``matmul_tile_tma``): Hopper's TMA engine copies whole [BLOCK, BLOCK_K]
+    boxes, zero-filling past the edges, with no address arithmetic in the registers the wgmma
+    accumulator needs. The weight's descriptor is over w [K, N] when its rows are contiguous, or
+    over w.T [N, K] (nn.Linear's weight, seen through .t()) whose [BLOCK_N, BLOCK_K] box is
+    transposed in shared memory for the dot.
+Output tiles are stored with pointers in every variant: the fused kernels store a shard's tiles
+into row ranges of a larger buffer, or into a peer's, where a descriptor's box would overwrite the
+next shard's rows. ``matmul`` can also flatten the tile loop and the K loop into one pipelined loop
+(the next tile's loads start during this tile's last dots) or warp-specialize it (producer warps
+issue the copies, consumer warps the dots); the fused kernels, whose tile loops wait on flags and
+store to peers, take FUSED_VARIANTS only. Until bench_gemm.py has measured them on Hopper the
+descriptor variants are candidates: DEFAULT_VARIANT stays the pointer loop.
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -15,6 +30,7 @@ part of the protocol between ranks (GEMM-RS signals one flag per tile).
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import shmem
 from ..shmem import wait_until_ge
@@ -64,6 +80,24 @@ def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
 
 
 @triton.jit
+def matmul_tile_tma(a_desc, row, b_desc, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile A[row:row + BLOCK_M, :K] @ B[:K, col:col + BLOCK_N] through tensor
+    descriptors: a_desc over A [*, K] with boxes [BLOCK_M, BLOCK_K]; b_desc over B [K, N] with boxes
+    [BLOCK_K, BLOCK_N], or (B_KMAJOR) over B.T [N, K] with boxes [BLOCK_N, BLOCK_K]. Rows, columns
+    and K past a descriptor's shape load as zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        x = a_desc.load([row, k * BLOCK_K])
+        if B_KMAJOR:
+            y = b_desc.load([col, k * BLOCK_K]).T
+        else:
+            y = b_desc.load([k * BLOCK_K, col])
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
 def reset_and_barrier_kernel(flags, count, BLOCK: tl.constexpr):
     """Zero this rank's `count` int64 arrival flags, then a barrier over all ranks (one program).
 
@@ -86,8 +120,28 @@ def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl
     wait_until_ge(flags + index, 1, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), peer, TAG, state)
 
 
+# How the tile loop loads and schedules (see the module docstring). TMA: tensor descriptors;
+# FLATTEN / WARP_SPECIALIZE: the options of tl.range on the tile loop; launch options here replace
+# tile_config's. Triton 3.6 warp-specializes on Hopper only with num_warps=4 (a producer warpgroup and
+# two consumer warpgroups of 4 warps; with 8 it leaves the loop as it is: seen in the compiled PTX);
+# "tma_s4": a fourth stage, which fits because output tiles are not staged in shared memory.
+VARIANTS = {
+    "pointer": dict(TMA=False, FLATTEN=False, WARP_SPECIALIZE=False),
+    "tma": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=False),
+    "tma_s4": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=False, num_stages=4),
+    "tma_flat": dict(TMA=True, FLATTEN=True, WARP_SPECIALIZE=False),
+    "tma_ws": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=True, num_warps=4),
+}
+DEFAULT_VARIANT = "pointer"
+FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
+
+
 def tile_config(rows: int, n: int, element_size: int) -> dict:
-    """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank)."""
+    """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank).
+
+    128 x 256 x 64 bf16 tiles with 8 warps (two warpgroups of wgmma, 128 fp32 accumulator registers
+    a thread) and 3 stages: 3 x 48 KB of operands plus the 64 KB output tile of a TMA store fit
+    Hopper's 227 KB of shared memory, a fourth stage does not."""
     block_m = 128 if rows > 64 else 64
     block_n = 256 if n >= 2048 and element_size == 2 else 128
     block_k = 64 if element_size == 2 else 32
@@ -95,30 +149,85 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
                 num_warps=8 if block_m * block_n >= 128 * 256 else 4, num_stages=3)
 
 
+@triton.jit
+def gemm_tile(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, rows, N, K,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """fp32 tile (pid_m, pid_n) of A[:rows, :K] @ w [K, N] for a block of `rows` rows of A that starts
+    at pointer `a` (row stride stride_am; ``matmul_tile``, w any strides) or, TMA, at row first_row
+    of a_desc (``matmul_tile_tma`` with w_desc)."""
+    if TMA:
+        acc = matmul_tile_tma(a_desc, first_row + pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                              BLOCK_K, W_KMAJOR)
+    else:
+        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_K)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "programs"])
-def matmul_kernel(a, w, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
+def matmul_kernel(a, a_desc, w, w_desc, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EVEN_K: tl.constexpr):
-    """out [M, N] = a [M, K] @ w [K, N] (any strides), the persistent tile loop of the fused kernels."""
+                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr):
+    """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
+    fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
+    boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for t in range(tl.program_id(0), tiles_m * tiles_n, programs):
+    for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_K)
+        acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M,
+                        BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
                  mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None) -> torch.Tensor:
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A tensor descriptor of the 2-D t in boxes `block`; ValueError where TMA cannot address t
+    (its last dimension strided, its start or row stride not a multiple of 16 bytes, or empty)."""
+    if not (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+            and t.numel() > 0):
+        raise ValueError(f"a tensor descriptor needs a non-empty tensor with contiguous rows, 16-byte aligned "
+                         f"in start and row stride: got {tuple(t.shape)} with strides {t.stride()}")
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
+    """The descriptor arguments of gemm_tile for a [*, K] and w [K, N] with config's tile shapes:
+    a_desc, w_desc, and W_KMAJOR, whether w_desc is over w.T (w's columns contiguous: nn.Linear's
+    weight [N, K] seen through .t()) rather than over w (its rows contiguous)."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    kmajor = w.stride(1) != 1
+    w_desc = descriptor(w.t(), [bn, bk]) if kmajor else descriptor(w, [bk, bn])
+    return dict(a_desc=descriptor(a, [bm, bk]), w_desc=w_desc, W_KMAJOR=kmajor)
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None,
+           variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
-    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count)."""
+    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count), the
+    tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
+    multiples of 8 in bf16) and w with contiguous rows or columns; "tma_ws" with fp32 operands, w's
+    columns contiguous."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    options = VARIANTS[variant]
+    if options["WARP_SPECIALIZE"] and a.element_size() == 4 and w.stride(1) == 1:
+        raise ValueError("the warp-specialized tile loop cannot take fp32 operands with w row-major (triton 3.6's "
+                         "passes fail on that tf32 dot): pass w as the .t() of a [N, K] weight, or another variant")
     (m, k), n = a.shape, w.shape[1]
     config = config or tile_config(m, n, a.element_size())
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if 0 in (m, n, k):
+        return out.zero_()
+    descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
+                                                                                W_KMAJOR=False)
     grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
-    matmul_kernel[(max(grid, 1),)](a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), grid,
-                                   EVEN_K=k % config["BLOCK_K"] == 0, **config)
+    matmul_kernel[(grid,)](a=a, w=w, out=out, M=m, N=n, K=k, stride_am=a.stride(0), stride_wk=w.stride(0),
+                           stride_wn=w.stride(1), programs=grid, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors,
+                           **{**config, **options})
     return out

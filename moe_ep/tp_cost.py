@@ -1,0 +1,62 @@
+"""How ``AsyncTP``'s overlap="auto" picks a path for a shape: a cost model orders the paths and rules
+out the hopeless ones (``predicted_us``, ``candidate_paths``); the choice itself is measured, the same
+on every rank (``measured_choice``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+
+# Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
+# hopeless ones; the choice itself is measured (measured_choice).
+CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
+TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
+LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
+HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
+OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one overlapped call
+
+HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
+                          # enough for unmeasured constants, narrow enough that the launches and the
+                          # barrier of an overlapped call rule it out on small shapes
+
+
+def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
+    """Predicted microseconds of each path for out = [M, K] @ [K, N] on every rank (op "ag_gemm":
+    the M rows are gathered first; "gemm_rs": the [M, N] result is reduced and scattered; "gemm_ar":
+    it is all-reduced, which has no chunked path).
+
+        never    gemm + link                           one after the other
+        fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
+        chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
+                 (+ one elementwise pass over the W partials for gemm_rs)
+
+    link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
+    [M, N] through NCCL's ring, and all W-1 peers' [M, N] partials for the fused one-shot kernel.
+    """
+    gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
+    row_bytes = (k if op == "ag_gemm" else n) * element_size
+    link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
+    if op == "gemm_ar":
+        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, world * link) + OVERHEAD_US}
+    reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
+    return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
+            "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}
+
+
+def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> list[str]:
+    """The paths overlap="auto" times for this shape, fastest predicted first: "never" always, an
+    overlapped path where predicted_us puts it within HOPELESS of the best prediction."""
+    times = predicted_us(op, m, k, n, world, element_size)
+    best = min(times.values())
+    return sorted((path for path, t in times.items() if path == "never" or t <= HOPELESS * best), key=times.get)
+
+
+def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str, dict[str, float]]:
+    """Time each candidate on this rank (`time_us(path)` -> microseconds), keep each one's time on
+    its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
+    which calls this collectively with the same candidates in the same order."""
+    times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
+    reference.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
