@@ -97,6 +97,27 @@ class EPAllToAll(runtime.CommObject):
         self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
+    @classmethod
+    def simulated(cls, world: int, max_tokens: int, hidden: int, num_experts: int, topk: int,
+                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
+                  timeout_s: float = 5.0, validate: bool = True, timing: bool = False, mode: str = "auto",
+                  num_sms: int = 1) -> list[EPAllToAll]:
+        """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
+        the symmetric buffers are plain tensors and the peer tables hold their addresses. Under the
+        Triton interpreter the kernels run for real (one program at a time: issue every rank's sends,
+        with return_recv_hook=True, before any receive); elsewhere it measures the host side of a call."""
+        ranks = []
+        for rank in range(world):
+            ep = cls.__new__(cls)
+            ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
+                          "nvshmem", timeout_s, validate, timing, mode, num_sms)
+            ep.group, ep.device = None, torch.device("cpu")
+            ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=num_sms)
+            ranks.append(ep)
+        for ep in ranks:
+            ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
+        return ranks
+
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,

@@ -15,6 +15,10 @@ def _config_errors(rank, world):
     for change in bad:
         with pytest.raises(ValueError):
             EPAllToAll(**{**GOOD, **change, "backend": change.get("backend", "reference")})
+    for change, message in ((dict(mode="fast"), "mode must be one of"), (dict(num_sms=0), "num_sms"),
+                            (dict(num_sms=2.5), "num_sms")):
+        with pytest.raises(ValueError, match=message):
+            EPAllToAll(**GOOD, **change, backend="reference")
 
 
 def _input_errors(rank, world):
@@ -41,6 +45,14 @@ def _input_errors(rank, world):
         ep.combine(torch.zeros(4, 8, 256, dtype=torch.bfloat16), handle)
     with pytest.raises(ValueError, match="handle"):
         ep.combine(torch.zeros(4, 16, 256, dtype=torch.bfloat16), "handle")
+    expert_out = torch.zeros(4, 16, 256, dtype=torch.bfloat16)
+    for out, message in ((torch.zeros(3, 256, dtype=torch.bfloat16), "out has shape"),
+                         (torch.zeros(4, 256), "out has dtype"),
+                         (torch.zeros(256, 4, dtype=torch.bfloat16).t(), "out must be contiguous")):
+        with pytest.raises(ValueError, match=message):
+            ep.combine(expert_out, handle, out=out)
+    out = torch.empty(4, 256, dtype=torch.bfloat16)
+    assert ep.combine(expert_out, handle, out=out) is out
     ep.dispatch(x, ids, weights)
     ep.dispatch(x, ids, weights)
     with pytest.raises(ValueError, match="stale"):

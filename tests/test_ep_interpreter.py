@@ -1,7 +1,8 @@
 """The EP kernels, all ranks in one process, in the Triton interpreter (CPU).
 
-Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors; the
-peer tables hold every rank's addresses, which is all the kernels see of NVSHMEM. Sends run
+Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors
+(EPAllToAll.simulated); the peer tables hold every rank's addresses, which is all the kernels
+see of NVSHMEM. Sends run
 for every rank before any receive (receive hooks), so no wait ever spins. Everything is
 compared bit for bit, FP8 bytes included (moe_ep.kernels.quant.to_fp8 rounds exactly there).
 """
@@ -18,17 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False, mode="low_latency"):
-    ranks = []
-    for rank in range(world):
-        ep = EPAllToAll.__new__(EPAllToAll)
-        ep._configure(world, rank, max_tokens, hidden, experts, topk, torch.bfloat16, fp8_group is not None,
-                      fp8_group or 128, "nvshmem", 5.0, True, timing, mode)
-        ep.group, ep.device = None, torch.device("cpu")
-        ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=1)
-        ranks.append(ep)
-    for ep in ranks:
-        ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
-    return ranks
+    return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=fp8_group is not None,
+                                fp8_group=fp8_group or 128, timing=timing, mode=mode)
 
 
 # world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert

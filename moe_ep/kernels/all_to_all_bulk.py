@@ -125,8 +125,7 @@ def bulk_dispatch_send_kernel(
                         payload = to_fp8(values)
                     else:
                         payload = x
-                    if chunk == 0:
-                        weights = tl.load(w_ptr + meta, mask=has_k, other=0.0).to(tl.float32)
+                    weights = tl.load(w_ptr + meta, mask=has_k & (chunk == 0), other=0.0).to(tl.float32)
                     for r in range(world):
                         routed = tl.max((dest == r).to(tl.int32), 1) > 0          # [N]
                         if chunk == 0:
