@@ -41,7 +41,7 @@ from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 PATHS, PATH_TOKENS = ("low_latency", "bulk"), (128, 512, 1024, 2048, 4096)
-LAUNCHES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def barrier() -> None:

@@ -255,11 +255,11 @@ class EPAllToAll(runtime.CommObject):
 
         recv_x, recv_scales, recv_count, recv_src = self.protocol.outputs[slot]
         handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src)
-        self.protocol.dispatch_send(slot, x, topk_ids, topk_weights, call)
         if not return_recv_hook:
-            self.protocol.dispatch_recv(slot)
+            self.protocol.dispatch(slot, x, topk_ids, topk_weights, call)
             handle.received = True
             return recv_x, recv_scales, recv_count, handle
+        self.protocol.dispatch_send(slot, x, topk_ids, topk_weights, call)
         return recv_x, recv_scales, recv_count, handle, _ReceiveHook(self, "dispatch", slot, handle)
 
     # ------------------------------------------------------------------------------------ combine
@@ -288,10 +288,10 @@ class EPAllToAll(runtime.CommObject):
             return (y, _no_hook) if return_recv_hook else y
 
         y = self.protocol.combined(slot, handle.num_tokens) if out is None else out
-        self.protocol.combine_send(slot, handle.slot, expert_out)
         if not return_recv_hook:
-            self.protocol.combine_recv(slot, y, handle.topk_ids, handle.num_tokens)
+            self.protocol.combine(slot, handle.slot, expert_out, y, handle.topk_ids, handle.num_tokens)
             return y
+        self.protocol.combine_send(slot, handle.slot, expert_out)
         return y, _ReceiveHook(self, "combine", slot, handle, y)
 
     # ------------------------------------------------------------------------------------ timing

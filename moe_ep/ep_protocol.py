@@ -10,6 +10,7 @@ front (``moe_ep.ep.EPAllToAll``) four launches, each on the current stream:
     dispatch_recv(slot)                                    # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)          # weighted sums back to their sources
     combine_recv(slot, out, topk_ids, num_tokens)          # adds them up into out [T, H]
+    dispatch(...), combine(...)                            # both phases, for calls without a receive hook
 
 The front has checked every argument; a protocol trusts them. A new protocol is a new pair of files beside these.
 """
@@ -66,13 +67,15 @@ class EPProtocol:
     name = ""
 
     def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int]) -> None:
-        """Per kernel (kernels.all_to_all.KERNELS order) of the given grid: every program's use count of
-        each slot and its clock word [SLOTS + 1, grid], programs finished per slot [SLOTS]; timing stamps
-        [4, 4] (STAMPS; reset to "none yet" before a timed call)."""
+        """Program state, all int64: per kernel of `grid` (name -> programs), every program's clock word for
+        the bounded waits [grid] and the programs finished per slot [SLOTS]; per phase (a row of
+        kernels.all_to_all.KERNELS; the kernels of a phase share it) the uses of each slot [SLOTS]; timing
+        stamps [4, 4] (STAMPS; reset to "none yet" before a timed call)."""
         self.config, self.device, self.status, self.grid = config, device, status, grid
         self.symmetric: dict[str, torch.Tensor] = {}
-        self.state = {name: self.local((SLOTS + 1, grid[name]), torch.int64) for name in KERNELS}
-        self.finished = {name: self.local((SLOTS,), torch.int64) for name in KERNELS}
+        self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
+        self.finished = {name: self.local((SLOTS,), torch.int64) for name in grid}
+        self.uses = {name: self.local((SLOTS,), torch.int64) for name in KERNELS}
         self.stamps = self.local((len(KERNELS), len(STAMPS)), torch.int64)
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
@@ -98,13 +101,15 @@ class EPProtocol:
         return dict(rank=c.rank, world=c.world, max_tokens=c.max_tokens, hidden=c.hidden, topk=c.topk,
                     experts_per_rank=c.experts_per_rank, timeout_ns=int(c.timeout_s * 1e9),
                     status_addr=self.status.data_ptr(), K_PAD=triton.next_power_of_2(c.topk),
-                    WORLD_PAD=triton.next_power_of_2(c.world), SLOTS=SLOTS, TIMING=c.timing)
+                    WORLD_PAD=triton.next_power_of_2(c.world), TIMING=c.timing)
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:
-        """Kernel `name` (a row of KERNELS) bound for `slot` with its program state and stamps."""
-        return BoundKernel(fn, self.grid[name], varying, slot=slot, state_ptr=self.state[name],
-                           finished_ptr=self.finished[name], stamps_ptr=self.stamps[KERNELS.index(name)],
-                           **self.common_arguments(), **arguments)
+        """Kernel `name` (a key of `grid`) bound for `slot` with its program state; a kernel of one phase (a
+        row of KERNELS) also with that phase's use counts and stamps."""
+        if name in KERNELS:
+            arguments.update(uses_ptr=self.uses[name], stamps_ptr=self.stamps[KERNELS.index(name)])
+        return BoundKernel(fn, self.grid[name], varying, slot=slot, clock_ptr=self.clocks[name],
+                           finished_ptr=self.finished[name], **self.common_arguments(), **arguments)
 
     def publish(self, dispatch_peers, combine_peers) -> None:
         """`symmetric` (what destroy() frees) from the peer-table names, and dispatch's outputs per slot
@@ -124,6 +129,16 @@ class EPProtocol:
         return view
 
     # --------------------------------------------------------------------- launches (bound in connect)
+
+    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
+        """Both phases of a dispatch (in one launch, where a protocol can)."""
+        self.dispatch_send(slot, x, topk_ids, topk_weights, call)
+        self.dispatch_recv(slot)
+
+    def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
+        """Both phases of a combine (in one launch, where a protocol can)."""
+        self.combine_send(slot, dispatch_slot, expert_out)
+        self.combine_recv(slot, out, topk_ids, num_tokens)
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
         self.reset_stamps("dispatch")

@@ -2,8 +2,8 @@
 
 Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors
 (EPAllToAll.simulated); the peer tables hold every rank's addresses, which is all the kernels
-see of NVSHMEM. Sends run
-for every rank before any receive (receive hooks), so no wait ever spins. Everything is
+see of NVSHMEM. Sends run for every rank before any receive (receive hooks; one rank per call
+calls without them, after the others' sends), so no wait ever spins. Everything is
 compared bit for bit, FP8 bytes included (moe_ep.kernels.quant.to_fp8 rounds exactly there).
 """
 import os
@@ -43,11 +43,17 @@ def test_kernels_in_the_interpreter(case, mode):
     for call, tokens in enumerate(calls):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]
-        outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
-        for *_, hook in outs:
-            hook()
+        # Rank `whole` calls without a receive hook (both phases; one launch on the low-latency path) after the
+        # others' sends and before their receives: a one-launch kernel would spin forever on peers that have not sent.
+        whole = call % world
+        others = [r for r in range(world) if r != whole]
+        outs = [ep.dispatch(*inputs[r], return_recv_hook=r != whole) for r, ep in enumerate(ranks)
+                if r != whole]
+        outs.insert(whole, ranks[whole].dispatch(*inputs[whole]))
+        for r in others:
+            outs[r][-1]()
         expert_outs = []
-        for r, (recv_x, recv_scales, recv_count, handle, _) in enumerate(outs):
+        for r, (recv_x, recv_scales, recv_count, handle, *_) in enumerate(outs):
             expected = expected_dispatch(r, world, inputs, experts, max_tokens, group)
             assert recv_count.tolist() == [len(rows) for rows in expected], (call, r)
             for e, rows in enumerate(expected):
@@ -60,9 +66,10 @@ def test_kernels_in_the_interpreter(case, mode):
         given = [None if call % 2 else torch.full(inputs[r][0].shape, 7.0, dtype=torch.bfloat16)
                  for r in range(world)]   # out= on even calls; a view of the object's buffer on odd ones
         combined = [ep.combine(expert_outs[r], outs[r][3], return_recv_hook=True, out=given[r])
-                    for r, ep in enumerate(ranks)]
-        for _, hook in combined:
-            hook()
+                    for r, ep in enumerate(ranks) if r != whole]
+        combined.insert(whole, (ranks[whole].combine(expert_outs[whole], outs[whole][3], out=given[whole]), None))
+        for r in others:
+            combined[r][1]()
         for r, (y, _) in enumerate(combined):
             assert torch.equal(y, expected_combine(r, world, inputs, experts, group, torch.bfloat16)), (call, r)
             owned = ranks[r].protocol.combine_buffers.out                   # [SLOTS, T_max, H]

@@ -8,8 +8,8 @@ still on their way. Each block's counter counts its column chunks: the program t
 block's last chunk release-adds 1 to the block's arrival counter on the receivers.
 
 bulk_dispatch_send    (on every rank, for its own tokens)
-    programs [0, L)       the layout (``all_to_all._dispatch_layout``, as in the low-latency path);
-                          program 0 also sends the token count; the last layout program to finish
+    programs [0, L)       the layout (``all_to_all._dispatch_layout``, as in the low-latency path,
+                          with the token count); the last layout program to finish
                           release-adds 1 to every rank's layout counter (slot, me).
     programs [L, grid)    work item = (block, column chunk): a tile [BLOCK_T * groups, GROUP] of x,
                           quantized to FP8 per group once, stored once to every rank that owns one of
@@ -40,10 +40,10 @@ import triton
 import triton.language as tl
 
 from ..shmem import last_to_finish, signal_add, signal_add_all, wait_all_ge, wait_until_ge
-from .all_to_all import (_INTS, C_ARRIVED, C_DATA, C_FREED, D_ARRIVED, D_DATA, D_FREED, D_IDS, D_SCALES, D_TOKENS,
-                         D_WEIGHTS, DISPATCH_PEERS, STAMP_SIGNALED, STAMP_STARTED, STAMP_WAITED, STAMP_WORKED,
+from .all_to_all import (_INTS, C_ARRIVED, C_DATA, C_FREED, D_ARRIVED, D_DATA, D_FREED, D_IDS, D_SCALES, D_WEIGHTS,
+                         DISPATCH_PEERS, STAMP_SIGNALED, STAMP_STARTED, STAMP_WAITED, STAMP_WORKED,
                          TAG_COMBINE_ARRIVAL, TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT, _clock,
-                         _dispatch_layout, _finish, _next_use, _peer, _stamp)
+                         _dispatch_layout, _finish, _peer, _retire, _stamp, _use)
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
 
 # Rows of the dispatch peer table: the low-latency rows (all_to_all.D_*; "arrived" holds one counter per
@@ -77,19 +77,19 @@ def bulk_dispatch_send_kernel(
     peers,                                                   # int64 [BULK_DISPATCH_PEERS, world]
     freed_ptr,                                               # my credit counters [SLOTS, world]
     layout_done_ptr, block_done_ptr,                         # local [SLOTS] layout programs, [SLOTS, blocks] chunks
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
     K_PAD: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    SLOTS: tl.constexpr, VALIDATE: tl.constexpr, TIMING: tl.constexpr,
+    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r as in all_to_all.dispatch_send_kernel, but arrived [SLOTS, world, blocks] i64
     and layout [SLOTS, world] i64 counters."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     pid = tl.program_id(0)
     layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
@@ -99,9 +99,6 @@ def bulk_dispatch_send_kernel(
         if pid < layout_programs:
             _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
                              experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
-            if pid == 0:
-                for r in range(world):
-                    tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
             if last_to_finish(layout_done_ptr + slot, use * layout_programs):
                 signal_add_all(peers + D_LAYOUT * world, stage, world, 1, WORLD_PAD)
         else:
@@ -125,7 +122,8 @@ def bulk_dispatch_send_kernel(
                         payload = to_fp8(values)
                     else:
                         payload = x
-                    weights = tl.load(w_ptr + meta, mask=has_k & (chunk == 0), other=0.0).to(tl.float32)
+                    on_first_chunk = t * 0 + chunk == 0                            # [N], a tensor in any case
+                    weights = tl.load(w_ptr + meta, mask=has_k & on_first_chunk[:, None], other=0.0).to(tl.float32)
                     for r in range(world):
                         routed = tl.max((dest == r).to(tl.int32), 1) > 0          # [N]
                         if chunk == 0:
@@ -143,6 +141,7 @@ def bulk_dispatch_send_kernel(
                 if last_to_finish(block_done_ptr + slot * blocks + block, use * chunks):
                     signal_add_all(peers + D_ARRIVED * world, stage * blocks + block, world, 1, WORLD_PAD)
                     _stamp(stamps_ptr, STAMP_SIGNALED, TIMING)
+    _retire(finished_ptr + slot, uses_ptr + slot, use)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -151,16 +150,16 @@ def bulk_dispatch_recv_kernel(
     peers,                                                   # int64 [BULK_DISPATCH_PEERS, world]: senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
-    K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr, TIMING: tl.constexpr,
+    K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, TIMING: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
-    clock = _clock(state_ptr, SLOTS)
+    use = _use(uses_ptr, slot)
+    clock = _clock(clock_ptr)
     ok = wait_all_ge(layout_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL, clock,
                      WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
@@ -224,7 +223,7 @@ def bulk_dispatch_recv_kernel(
                             if FP8:
                                 tl.store(recv_scale_ptr + dst * num_groups + g, scales,
                                          mask=(row_k >= 0) & (g < num_groups))
-    _finish(finished_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -233,18 +232,18 @@ def bulk_combine_send_kernel(
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
     peers,                                                   # int64 [COMBINE_PEERS, world]
     freed_ptr, block_done_ptr,                               # my credits [SLOTS, world]; local [SLOTS, world, blocks]
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    SLOTS: tl.constexpr, TIMING: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype); arrived
     [SLOTS, blocks, world] i64 (one counter per block and expert rank); freed [SLOTS, world] i64."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
         rows_per_expert = world * max_tokens
@@ -283,6 +282,7 @@ def bulk_combine_send_kernel(
                 arrived = _peer(peers, C_ARRIVED, src, world, tl.int64)
                 signal_add(arrived + (slot * blocks + block) * world + rank, 1)
                 _stamp(stamps_ptr, STAMP_SIGNALED, TIMING)
+    _retire(finished_ptr + slot, uses_ptr + slot, use)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -290,15 +290,15 @@ def bulk_combine_recv_kernel(
     out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
     data_ptr, arrived_ptr,                                   # my combine staging, arrival counters
     peers,                                                   # int64 [COMBINE_PEERS, world]: expert ranks' credits
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    SLOTS: tl.constexpr, TIMING: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
-    clock = _clock(state_ptr, SLOTS)
+    use = _use(uses_ptr, slot)
+    clock = _clock(clock_ptr)
     blocks = tl.cdiv(max_tokens, BLOCK_T)
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
@@ -326,4 +326,4 @@ def bulk_combine_recv_kernel(
                 acc = tl.where(routed[:, None], acc + part.to(tl.float32), acc)
             tl.store(out_ptr + t[:, None].to(tl.int64) * hidden + cols[None, :], cast_rn(acc, out_ptr.dtype.element_ty),
                      mask=live[:, None] & mask[None, :])
-    _finish(finished_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
