@@ -10,7 +10,7 @@ combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Tim
   host      CPU time from entering a call to its return, with the GPU busy; median
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
             handle, views); host - front is what the launches cost
-  kernels   mean device time of our two kernels per call, from the profiler
+  kernels   mean device time of our kernels per call (one, or two with a bulk path), from the profiler
 and, in the same process, eager:
   nccl       what a plain PyTorch user writes: quantize, pack each token once per destination rank,
              exchange counts (one host sync), one all_to_all_single of packed rows, index work to
@@ -222,9 +222,9 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, mode: str
     *_, handle = ours.dispatch(x, ids, weights)
     if full:
         dist.barrier()
-        out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_send", "dispatch_recv"])
+        out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_send", "dispatch_recv", "dispatch_kernel"])
         *_, handle = ours.dispatch(x, ids, weights)
-        out["combine_kernel_us"] = kernel_time(combine, ["combine_send", "combine_recv"])
+        out["combine_kernel_us"] = kernel_time(combine, ["combine_send", "combine_recv", "combine_kernel"])
         *_, state = nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)
         out["nccl_dispatch_us"] = eager_median(lambda: nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens),
                                                iters // 2)
@@ -334,7 +334,7 @@ def main():
     if args.sweep:
         plan += [(t, args.iters // 2, False, False, "auto") for t in SWEEP]
     if args.paths:
-        plan += [(t, max(8, args.iters // 4), False, args.breakdown, m) for t in PATH_TOKENS for m in PATHS]
+        plan += [(t, max(8, args.iters // 4), False, False, m) for t in PATH_TOKENS for m in PATHS]
     for tokens, iters, full, with_breakdown, mode in plan:   # results are written as they come: a cut run keeps them
         row = measure(tokens, iters, full, with_breakdown, mode)
         if mode != "auto":

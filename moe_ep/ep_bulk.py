@@ -17,11 +17,12 @@ from .kernels import all_to_all as kernels
 from .kernels import all_to_all_bulk as bulk
 
 BULK_ROWS = 8                # token rows per tile (BLOCK_T), and tokens per signalled block
-BULK_COLUMNS = 1024          # columns per dispatch tile: 8 x 1024 values, 32 per thread of 8 warps
+BULK_COLUMNS = 512           # columns per dispatch tile: 8 x 512 values, 16 per thread of 8 warps (1024 took
+                             # 196 registers in bulk_dispatch_send: one program per SM)
 BULK_COMBINE_COLUMNS = 512   # columns per combine tile: 8 x 512 fp32 sums, 16 per thread, plus k loads in flight
 BULK_WARPS = 8
-PROGRAMS_PER_SM = 2          # 2 programs of 8 warps: 16 warps per SM, each with a whole tile in flight
-                             # (an estimate from the tile sizes, to be checked against ptxas' register counts)
+PROGRAMS_PER_SM = 2          # programs of 8 warps per SM: the registers allow 2 (ptxas for sm_90, triton 3.9:
+                             # 128, 95, 117 and 82 per thread in the four kernels)
 
 
 @dataclass

@@ -18,9 +18,9 @@ from .shmem import INTERPRETING
 # Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 96
 # per thread, so 5 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
 # rows in flight to cover HBM and NVLink latency.
-# The one-launch kernels take the bound of their heavier phase.
+# The one-launch kernels: dispatch 80 registers (6 would fit; 5 keeps the send phase's count), combine 101 (4 fit).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
-                   "dispatch": 5, "combine": 8}
+                   "dispatch": 5, "combine": 4}
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
