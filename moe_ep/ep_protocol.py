@@ -4,7 +4,7 @@ object (``EPProtocol``).
 A protocol is one kernel module and one class beside it (``ep_low_latency.LowLatency`` over
 ``kernels/all_to_all.py``, ``ep_bulk.Bulk`` over ``kernels/all_to_all_bulk.py``). The class owns
 that module's buffers (dataclasses, one comment per field) and its bound kernels, and offers the
-front (``moe_ep.ep.EPAllToAll``) four launches, each on the current stream:
+front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
 
     dispatch_send(slot, x, topk_ids, topk_weights, call)   # this rank's tokens to their ranks
     dispatch_recv(slot)                                    # fills outputs[slot]
@@ -12,7 +12,8 @@ front (``moe_ep.ep.EPAllToAll``) four launches, each on the current stream:
     combine_recv(slot, out, topk_ids, num_tokens)          # adds them up into out [T, H]
     dispatch(...), combine(...)                            # both phases, for calls without a receive hook
 
-The front has checked every argument; a protocol trusts them. A new protocol is a new pair of files beside these.
+The front has checked every argument; a protocol trusts them. A new protocol is a new pair of
+files beside these.
 """
 from __future__ import annotations
 
@@ -59,9 +60,10 @@ class EPConfig:
 class EPProtocol:
     """The base of a protocol: per-kernel program state, timing stamps, peer tables, bound launches.
 
-    Subclasses allocate `dispatch_buffers` and `combine_buffers` in ``__init__`` (after ``_start``, then
-    ``publish``), and bind `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and
-    dispatch slot) and `_combine_recv` (per slot) in ``connect``.
+    Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot)
+    in ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy()
+    frees, and `outputs`, dispatch's results per slot), and bind `_dispatch_send`, `_dispatch_recv` (per
+    slot), `_combine_send` (per slot and dispatch slot) and `_combine_recv` (per slot) in ``connect``.
     """
 
     name = ""
@@ -72,7 +74,6 @@ class EPProtocol:
         kernels.all_to_all.KERNELS; the kernels of a phase share it) the uses of each slot [SLOTS]; timing
         stamps [4, 4] (STAMPS; reset to "none yet" before a timed call)."""
         self.config, self.device, self.status, self.grid = config, device, status, grid
-        self.symmetric: dict[str, torch.Tensor] = {}
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
         self.finished = {name: self.local((SLOTS,), torch.int64) for name in grid}
         self.uses = {name: self.local((SLOTS,), torch.int64) for name in KERNELS}
