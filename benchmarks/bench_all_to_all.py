@@ -310,10 +310,10 @@ def plot(rows, path):
 def crossover(rows) -> str:
     """From --paths rows: the smallest token count from which bulk (dispatch + combine, graph) is faster."""
     total = {(r["mode"], r["tokens"]): r["dispatch_graph_us"] + r["combine_graph_us"] for r in rows if "paths" in r}
-    faster = [t for t in PATH_TOKENS if ("bulk", t) in total and total["bulk", t] < total["low_latency", t]]
-    first = next((t for t in PATH_TOKENS if all(u in faster for u in PATH_TOKENS if u >= t)), None)
     if not total:
         return ""
+    faster = [t for t in PATH_TOKENS if total.get(("bulk", t), float("inf")) < total.get(("low_latency", t), 0.0)]
+    first = next((t for t in PATH_TOKENS if all(u in faster for u in PATH_TOKENS if u >= t)), None)
     return (f"Crossover (graph, dispatch + combine): bulk is faster from {first} tokens per rank on"
             if first else "Crossover: bulk was not faster at any measured token count") + \
         " (set moe_ep.ep.BULK_MIN_TOKENS to it)\n"
