@@ -33,7 +33,8 @@ tensor descriptors (``matmul.descriptor``) over a as [rows of all experts, K] an
 a box may then reach into the next expert's rows (their outputs are masked at the store, and row r
 of a dot depends on row r of a only) or past the end (zeros). Outputs are stored with pointers
 either way: rows past a count must keep what out held, which a descriptor's box cannot skip.
-Until benchmarks/bench_gemm.py has measured it on Hopper, "tma" is a candidate (DEFAULT_VARIANT).
+"tma" is the default (DEFAULT_VARIANT): on an H200 it was faster than pointer loads at every
+measured shape but one (benchmarks/NOTES.md); "pointer" serves operands a descriptor cannot take.
 """
 from __future__ import annotations
 
@@ -54,12 +55,16 @@ ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gel
 # host from the expected rows per expert (no sync). decode: a handful of rows per expert, the GEMM
 # reads each weight once and is bound by HBM bandwidth: 64-row tiles waste least, narrow column
 # blocks give enough programs to keep the memory system busy, and 3 stages of 64x128 + 128x64 bf16
-# (96 KB) let two programs share an SM. prefill: 128 x 128 tiles with 8 warps (64 fp32 accumulator
-# registers a thread; 4 stages, 128 KB of shared memory, one program an SM). The gated form keeps
-# two accumulators, so it halves BLOCK_N to keep the same registers and shared memory.
+# (96 KB) let two programs share an SM. prefill: 128 x 256 tiles with 8 warps, 3 stages of 48 KB,
+# one program an SM (measured on an H200 against 128 x 128: 629 against 570 TFLOP/s at DeepSeek-V3's
+# shape, 603 against 540 at Qwen3-30B-A3B's, both on descriptors). prefill with FP8 weights: 64 x 128
+# x 128 with 4 warps, 4 stages of 24 KB, two programs an SM, one scaling its dot while the other's
+# wgmma runs (702 against 659 TFLOP/s; 658 against 546). The gated form keeps two accumulators, so it
+# takes at most 128 columns and halves them, keeping the registers of a 128 x 128 tile.
 TILE_CONFIGS = {
     "decode": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    "prefill": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
+    "prefill": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
+    "prefill_fp8_weights": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
 # Candidates for the prefill class, timed by benchmarks/bench_gemm.py against the table (none is
 # in it until measured): name -> (entry, the precisions of the weights it is for). Each fits 227 KB
@@ -83,7 +88,7 @@ DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile
 STAGE_MEMORY = 160 * 1024
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
 VARIANTS = ("pointer", "tma")   # how operands are loaded (see the module docstring)
-DEFAULT_VARIANT = "pointer"
+DEFAULT_VARIANT = "tma"
 
 
 @triton.jit
@@ -189,13 +194,14 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
 
 def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False,
                 fp8_weights: bool = False, a_bytes: int = 2, w_bytes: int = 2) -> dict:
-    """The TILE_CONFIGS entry for `rows_per_expert` expected rows; BLOCK_N halved for the gated form
-    (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
+    """The TILE_CONFIGS entry for `rows_per_expert` expected rows (and FP8 weights or not); BLOCK_N at
+    most 128 and halved for the gated form (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
     capped at the group of FP8 rows; as many stages as fit STAGE_MEMORY with a's and w's element
     sizes (fp32 operands fit half as many as bf16)."""
-    config = dict(TILE_CONFIGS["decode" if rows_per_expert <= DECODE_ROWS else "prefill"])
+    shape_class = "decode" if rows_per_expert <= DECODE_ROWS else "prefill_fp8_weights" if fp8_weights else "prefill"
+    config = dict(TILE_CONFIGS[shape_class])
     if gated:
-        config["BLOCK_N"] //= 2
+        config["BLOCK_N"] = min(config["BLOCK_N"], 128) // 2
     if fp8_weights:
         config["BLOCK_K"] = WEIGHT_BLOCK.value
     if fp8_group:
@@ -209,13 +215,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
                  group: int = 128, out: torch.Tensor | None = None, activation: str | None = None,
                  packed_rows: int | None = None, rows_per_expert: float | None = None,
                  w_scales: torch.Tensor | None = None, tiles: dict | None = None,
-                 variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+                 variant: str | None = None) -> torch.Tensor:
     """a [E, R, K] or packed [P, K]; w [E, N, K]; counts [E] int32 on a's device; scales like a with
     K // group columns, f32, for FP8 a. activation None, "silu" or "gelu" (gated: N_out = N / 2).
     FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
     tiles: an entry like TILE_CONFIGS' to use as it is instead of the table's (for tuning; BLOCK_N
-    counts output columns, BLOCK_K must divide the FP8 groups). variant: one of VARIANTS ("tma" needs
-    a and w non-empty with 16-byte aligned rows: K a multiple of 8 in bf16, of 16 in FP8).
+    counts output columns, BLOCK_K must divide the FP8 groups). variant: one of VARIANTS; None takes
+    DEFAULT_VARIANT where it can ("tma" needs a and w non-empty with 16-byte aligned rows), else "pointer".
 
     out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
     packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
@@ -230,6 +236,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     if counts.shape != (experts,) or counts.dtype != torch.int32 or counts.device != a.device:
         raise ValueError(f"counts must be int32 [{experts}] on {a.device}, got {counts.dtype} "
                          f"{tuple(counts.shape)} on {counts.device}")
+    if variant is None:
+        aligned = a.numel() and w.numel() and (a.shape[-1] * a.element_size()) % 16 == 0 and \
+            (w.shape[-1] * w.element_size()) % 16 == 0
+        variant = DEFAULT_VARIANT if aligned else "pointer"
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if activation not in (None, *ACTIVATIONS):
