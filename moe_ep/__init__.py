@@ -3,7 +3,8 @@
 Public API:
     EPAllToAll        low-latency dispatch/combine (FP8 inside dispatch, double-buffered signals)
     EPHandle          what dispatch hands to combine
-    EPMoE, swap_moe   the expert-parallel MoE block, and the call that swaps it into a transformers model
+    EPMoE             the expert-parallel MoE block
+    swap_moe          puts EPMoE into a transformers model (moe_ep.integrations.transformers)
     AsyncTP           all-gather GEMM and GEMM reduce-scatter, communication overlapped with the GEMM
     ColumnParallelLinear, RowParallelLinear, TPMLP   sequence-parallel tensor-parallel linears on AsyncTP
     CommTimeoutError  raised when a device-side wait ran past its bound
@@ -17,7 +18,8 @@ from .ep import EPAllToAll, EPHandle
 from .runtime import CommTimeoutError
 from .tp import AsyncTP
 from .kernels.quant import quantize_fp8
-from .layers import TPMLP, ColumnParallelLinear, EPMoE, RowParallelLinear, swap_moe
+from .integrations.transformers import swap_moe
+from .layers import TPMLP, ColumnParallelLinear, EPMoE, RowParallelLinear
 from .routing import link_copies, random_topk
 
 __all__ = ["EPAllToAll", "EPHandle", "CommTimeoutError", "EPMoE", "swap_moe", "AsyncTP", "ColumnParallelLinear",

@@ -274,7 +274,8 @@ class EPAllToAll(runtime.CommObject):
             out: [T, H] `dtype`, contiguous: where to write y (checked before anything runs). Without it,
                 y is a view of a buffer of this object, valid until the combine after next.
         Returns:
-            y: [T, H] `dtype`: sum over k of topk_weights[t, k] * expert_out row of (t, k), in fp32.
+            y: [T, H] `dtype` (`out` when given): sum over k of topk_weights[t, k] * expert_out row of
+                (t, k), in fp32.
             hook (with return_recv_hook=True): launches the receive; read y only after it.
         """
         self._raise_if_failed()

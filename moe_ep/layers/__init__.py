@@ -1,5 +1,5 @@
 """Drop-in nn.Modules: the expert-parallel MoE block and tensor-parallel linears."""
-from .moe import EPMoE, swap_moe
+from .moe import EPMoE
 from .tp_linear import TPMLP, ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["EPMoE", "swap_moe", "ColumnParallelLinear", "RowParallelLinear", "TPMLP"]
+__all__ = ["EPMoE", "ColumnParallelLinear", "RowParallelLinear", "TPMLP"]

@@ -1,0 +1,336 @@
+"""vLLM: moe_ep's dispatch/combine as a prepare/finalize of vLLM's modular MoE kernel.
+
+    prepare_finalize = make_prepare_finalize(moe_config, quant_config, group=ep_group)
+    kernel = FusedMoEKernel(prepare_finalize, GroupedGemmExperts(moe_config, quant_config, ...))
+    out = kernel.apply(hidden_states, w13, w2, topk_weights, topk_ids, ...)
+
+or, serving a model: ``pip install moe-ep[vllm]`` and ``vllm serve MODEL --enable-expert-parallel
+--data-parallel-size N --all2all-backend moe_ep``: the ``vllm.general_plugins`` entry point runs
+``register()`` in every vLLM process.
+
+The layout is vLLM's "batched experts" format, which is EPAllToAll's: prepare returns
+recv_x [E_loc, W * max_tokens, H] (FP8 e4m3 with fp32 scales [E_loc, W * max_tokens, H / 128] when
+the quantization config asks for activations in 128-wide blocks, the activations' dtype
+otherwise) and the per-expert counts (recv_count); finalize combines the experts' output into
+vLLM's output tensor, applying the router weights on the way. Prepare and finalize both have an
+async form (the receive runs in the returned hook), and each of vLLM's two micro-batches keeps its
+own dispatch handle.
+
+What it cannot honour raises ValueError when the engine builds it: expert placements other than
+rank r holding experts [r * E_loc, (r + 1) * E_loc) (EPLB, round-robin), packed UE8M0 scales,
+activation quantization other than 128-wide FP8 blocks, and apply_router_weight_on_input with top-k > 1.
+
+Written against vLLM 0.33.0 (VLLM_VERSION); PATCH_POINTS names every engine function the plugin replaces.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+
+from ..ep import EPAllToAll
+from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+
+VLLM_VERSION = "0.33.0"
+BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
+FP8_BLOCK = 128                    # activation block the dispatch quantizes in (vLLM's block_shape[1])
+MICRO_BATCHES = 2                  # vLLM's dual-batch overlap runs two micro-batches, each with its own handle
+# Where vLLM 0.33.0 decides on the all-to-all backend, as "module:attribute"; register() wraps each.
+PATCH_POINTS = {
+    "backend names": "vllm.config.parallel:ParallelConfig.all2all_backend",     # a Literal of names
+    "communicator": "vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__",
+    "prepare/finalize": "vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize",
+}
+# The modules that import maybe_make_prepare_finalize by name (in vLLM 0.33.0): their copy is replaced too.
+PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
+    "fused_moe.eep_reconfigure", "fused_moe.oracle.unquantized", "fused_moe.oracle.fp8", "fused_moe.oracle.int8",
+    "fused_moe.oracle.nvfp4", "fused_moe.oracle.mxfp4", "fused_moe.oracle.w4a8",
+    "quantization.modelopt_block_quant", "quantization.utils.humming.moe"))
+
+_ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
+
+
+def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
+               group=None, backend: str = "nvshmem") -> EPAllToAll:
+    """The EPAllToAll of this shape on `group`, made on first use (collective then) and shared after."""
+    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend)
+    if key not in _ALL_TO_ALLS:
+        _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
+                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend)
+    return _ALL_TO_ALLS[key]
+
+
+def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
+    """True when the experts take FP8 e4m3 activations in 1 x 128 blocks (what dispatch sends); False
+    for unquantized activations; ValueError for any other activation quantization."""
+    if quant_config is None or quant_config.quant_dtype is None:
+        return False
+    block = quant_config.block_shape
+    if quant_config.quant_dtype == torch.float8_e4m3fn and block is not None and block[1] == FP8_BLOCK:
+        return True
+    raise ValueError(f"moe_ep dispatches unquantized activations or FP8 e4m3 in blocks of {FP8_BLOCK}; the "
+                     f"quantization config asks for {quant_config.quant_dtype} activations with block shape {block}")
+
+
+def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig | None,
+                          routing_tables=None, group=None, backend: str = "nvshmem",
+                          placement: str = "linear") -> MoeEpPrepareAndFinalize:
+    """The prepare/finalize of one vLLM MoE layer over the EPAllToAll of its shape on `group` (the
+    engine's EP group). routing_tables (EPLB's physical/logical maps) and a placement other than
+    "linear" are refused."""
+    parallel = moe.moe_parallel_config
+    if routing_tables is not None or parallel.enable_eplb:
+        raise ValueError("moe_ep does not support EPLB (expert load balancing): rank r holds experts "
+                         "[r * E_loc, (r + 1) * E_loc); run without --enable-eplb")
+    if placement != "linear":
+        raise ValueError(f"moe_ep supports the linear expert placement only, got {placement!r} "
+                         "(--expert-placement-strategy linear)")
+    world = dist.get_world_size(group)
+    if moe.num_local_experts * world != moe.num_experts:
+        raise ValueError(f"moe_ep needs the {moe.num_experts} experts spread evenly over the {world} ranks of "
+                         f"the group, this layer holds {moe.num_local_experts}")
+    ep = all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token, moe.in_dtype,
+                    wants_fp8_dispatch(quant_config), group, backend)
+    return MoeEpPrepareAndFinalize(ep)
+
+
+class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+    """vLLM's prepare/finalize over one EPAllToAll (batched experts format, output reduced).
+
+    prepare: a1 [T, H], topk_ids / topk_weights [T, K] -> (recv_x [E_loc, W * T_max, H], recv_scales
+    [E_loc, W * T_max, H / 128] fp32 or None, ExpertTokensMetadata(recv_count [E_loc] int32), None, None).
+    finalize: the experts' output [E_loc, W * T_max, H] -> output [T, H], written in place: the sum over
+    k of topk_weights[t, k] times the row of (t, k), in fp32. The dispatch outputs stay valid until the
+    dispatch after next, so both micro-batches' can be in use at once.
+    """
+
+    def __init__(self, ep: EPAllToAll):
+        super().__init__()
+        self.ep = ep
+        self.handles = [None] * MICRO_BATCHES
+        self._checked_maps: set[int] = set()        # data_ptr of expert maps found linear
+
+    @property
+    def activation_format(self) -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.BatchedExperts
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return None                                 # int32 and int64 both dispatch as they are
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self.ep.max_tokens
+
+    def num_dispatchers(self) -> int:
+        return self.ep.world
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def supports_async(self) -> bool:
+        return True
+
+    def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
+        if self.ep.fp8_group and fused_experts.supports_packed_ue8m0_act_scales():
+            raise ValueError(f"{type(fused_experts).__name__} wants packed UE8M0 activation scales; moe_ep "
+                             "dispatches fp32 scales per 128 columns")
+
+    def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
+                      quant_config: FusedMoEQuantConfig, defer_input_quant: bool = False
+                      ) -> tuple[Callable, mk.ReceiverType]:
+        """Issue the dispatch; returns (hook, receiver): the hook receives, the receiver returns prepare's tuple."""
+        if defer_input_quant:
+            raise ValueError("moe_ep quantizes in the dispatch: experts that quantize their inputs themselves "
+                             "(defer_input_quant) are not supported")
+        if num_experts != self.ep.num_experts:
+            raise ValueError(f"this layer has {num_experts} experts, its EPAllToAll {self.ep.num_experts}")
+        if expert_map is not None:
+            self._check_expert_map(expert_map)
+        if apply_router_weight_on_input:
+            if topk_ids.shape[1] != 1:
+                raise ValueError(f"apply_router_weight_on_input needs top-k 1 (a token is sent once per rank, "
+                                 f"not once per expert), got top-k {topk_ids.shape[1]}")
+            a1 = a1 * topk_weights.to(a1.dtype)
+            topk_weights = torch.ones_like(topk_weights)
+        recv_x, recv_scales, recv_count, handle, hook = self.ep.dispatch(
+            a1.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), return_recv_hook=True)
+        self.handles[dbo_current_ubatch_id()] = handle
+        meta = mk.ExpertTokensMetadata(expert_num_tokens=recv_count, expert_num_tokens_cpu=None)
+        return hook, lambda: (recv_x, recv_scales, meta, None, None)
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant: bool = False) -> mk.PrepareResultType:
+        hook, receiver = self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                            apply_router_weight_on_input, quant_config, defer_input_quant)
+        hook()
+        return receiver()
+
+    def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
+                       weight_and_reduce_impl: mk.TopKWeightAndReduce) -> tuple[Callable, Callable]:
+        """Issue the combine into `output`; returns (hook, receiver): output is valid after the hook.
+        The router weights are those given to prepare (ones with apply_router_weight_on_input)."""
+        if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
+            raise ValueError(f"moe_ep applies the router weights in the combine; experts that reduce themselves "
+                             f"({type(weight_and_reduce_impl).__name__}) are not supported")
+        handle = self.handles[dbo_current_ubatch_id()]
+        if handle is None:
+            raise ValueError("finalize without a prepare on this micro-batch")
+        _, hook = self.ep.combine(fused_expert_output, handle, return_recv_hook=True, out=output)
+        return hook, _nothing
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl) -> None:
+        hook, _ = self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                      apply_router_weight_on_input, weight_and_reduce_impl)
+        hook()
+
+    def _check_expert_map(self, expert_map: torch.Tensor) -> None:
+        """ValueError unless expert_map [E] (global id -> local id, -1 elsewhere) is the linear placement."""
+        if expert_map.data_ptr() in self._checked_maps:
+            return
+        ep = self.ep
+        linear = torch.full((ep.num_experts,), -1, dtype=expert_map.dtype, device=expert_map.device)
+        first = ep.rank * ep.experts_per_rank
+        linear[first:first + ep.experts_per_rank] = torch.arange(ep.experts_per_rank, device=expert_map.device,
+                                                                 dtype=expert_map.dtype)
+        if not torch.equal(expert_map, linear):
+            raise ValueError(f"moe_ep needs rank {ep.rank} to hold experts [{first}, {first + ep.experts_per_rank}) "
+                             f"in order; this expert map places others (EPLB or round-robin placement)")
+        self._checked_maps.add(expert_map.data_ptr())
+
+
+def _nothing() -> None:
+    """finalize_async's receiver: the combine's hook already wrote the output."""
+
+
+class GroupedGemmExperts(mk.FusedMoEExpertsModular):
+    """Gated-MLP experts on the batched format as two masked grouped GEMMs (moe_ep.kernels.grouped_gemm
+    on CUDA, its plain-torch reference elsewhere): w1 [E_loc, 2I, H] (gate rows, then up), w2 [E_loc, H, I],
+    unquantized; rows are FP8 with per-128 scales or the activations' dtype. Only rows below the counts
+    are computed; act(gate) * up is applied in the first GEMM's epilogue (silu, gelu)."""
+
+    ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu"}
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.BatchedExperts
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return weight_key is None
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation in GroupedGemmExperts.ACTIVATIONS
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceDelegate()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                         activation) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        return (0,), (0,), (local_num_experts, M, K)          # the GEMMs allocate their own intermediate
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input) -> None:
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"GroupedGemmExperts supports {[a.value for a in self.ACTIVATIONS]}, got {activation}")
+        act, counts = self.ACTIVATIONS[activation], expert_tokens_meta.expert_num_tokens
+        if not hidden_states.is_cuda:
+            h = grouped_gemm_reference(hidden_states, w1, counts, a1q_scale, FP8_BLOCK, act, out_dtype=output.dtype)
+            output.copy_(grouped_gemm_reference(h, w2, counts, out_dtype=output.dtype))
+            return
+        experts, rows, _ = hidden_states.shape
+        h = torch.empty((experts, rows, w2.shape[2]), dtype=output.dtype, device=hidden_states.device)
+        grouped_gemm(hidden_states, w1, counts, a1q_scale, FP8_BLOCK, out=h, activation=act)
+        grouped_gemm(h, w2, counts, out=output)
+
+
+# ------------------------------------------------------------------------------------ the plugin
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: makes ``--all2all-backend moe_ep`` a backend of the
+    running vLLM by wrapping the PATCH_POINTS (idempotent: vLLM may load plugins more than once)."""
+    from vllm.config import parallel
+    if BACKEND_NAME in _backend_names(parallel.ParallelConfig):
+        return
+    _accept_backend_name(parallel.ParallelConfig)
+    _wrap_communicator()
+    _wrap_prepare_finalize_factory()
+
+
+def _backend_names(config_class) -> tuple[str, ...]:
+    return getattr(config_class.__dataclass_fields__["all2all_backend"].type, "__args__", ())
+
+
+def _accept_backend_name(config_class) -> None:
+    """Add BACKEND_NAME to the Literal of ParallelConfig.all2all_backend and rebuild its validator (the
+    command line's choices are read from the same Literal)."""
+    from typing import Literal
+
+    import pydantic
+    names = Literal[(*_backend_names(config_class), BACKEND_NAME)]
+    config_class.__annotations__["all2all_backend"] = names
+    config_class.__dataclass_fields__["all2all_backend"].type = names
+    pydantic.dataclasses.rebuild_dataclass(config_class, force=True)
+
+
+def _wrap_communicator() -> None:
+    """CudaCommunicator builds an all-to-all manager per backend name and refuses unknown names: for
+    moe_ep it builds the all-gather/reduce-scatter one (used outside the MoE layers), then records moe_ep."""
+    from vllm.distributed.device_communicators import cuda_communicator
+    original = cuda_communicator.CudaCommunicator.__init__
+
+    def __init__(self, *args, **kwargs):
+        from vllm.config import get_current_vllm_config
+        parallel = get_current_vllm_config().parallel_config
+        if parallel.all2all_backend != BACKEND_NAME:
+            return original(self, *args, **kwargs)
+        object.__setattr__(parallel, "all2all_backend", "allgather_reducescatter")
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            object.__setattr__(parallel, "all2all_backend", BACKEND_NAME)
+        self.all2all_backend = BACKEND_NAME
+    cuda_communicator.CudaCommunicator.__init__ = __init__
+
+
+def _wrap_prepare_finalize_factory() -> None:
+    """maybe_make_prepare_finalize returns MoeEpPrepareAndFinalize for moe_ep layers that run expert
+    parallel all-to-all, on vLLM's EP group; other layers and backends go to vLLM's own."""
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    original = all2all_utils.maybe_make_prepare_finalize
+
+    def maybe_make_prepare_finalize(moe, quant_config, routing_tables=None, *args, **kwargs):
+        parallel = moe.moe_parallel_config
+        if parallel.all2all_backend != BACKEND_NAME or not parallel.use_all2all_kernels:
+            return original(moe, quant_config, routing_tables, *args, **kwargs)
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import get_ep_group
+        placement = get_current_vllm_config().parallel_config.expert_placement_strategy
+        return make_prepare_finalize(moe, quant_config, routing_tables, group=get_ep_group().device_group,
+                                     placement=placement)
+    for name in ("vllm.model_executor.layers.fused_moe.all2all_utils", *PREPARE_FINALIZE_USERS):
+        module = importlib.import_module(name)
+        if getattr(module, "maybe_make_prepare_finalize", None) is original:
+            module.maybe_make_prepare_finalize = maybe_make_prepare_finalize

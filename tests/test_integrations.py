@@ -1,0 +1,49 @@
+"""What the engine integrations rely on, without any engine: combine(..., out=) and the package layout.
+
+combine writes the caller's tensor when given one (the engines' output), after checking it, and the
+result is the one combine returns without out; `import moe_ep` pulls in no engine.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run
+from moe_ep import EPAllToAll, random_topk
+
+
+def _combine_into_out(rank, world):
+    ep = EPAllToAll(max_tokens=4, hidden=16, num_experts=4, topk=2, dtype=torch.float32, fp8_dispatch=False,
+                    backend="reference")
+    for tokens in (3, 0, 1):
+        x = torch.randn(tokens, 16)
+        ids, weights = random_topk(tokens, 4, 2)
+        if tokens:
+            ids[0, 1] = -1                                       # a dropped slot
+        recv_x, _, _, handle = ep.dispatch(x, ids, weights)
+        expected = ep.combine(recv_x * 2, handle)
+        recv_x, _, _, handle = ep.dispatch(x, ids, weights)
+        out = torch.full((tokens, 16), float("nan"))
+        y, hook = ep.combine(recv_x * 2, handle, return_recv_hook=True, out=out)
+        hook()
+        assert y is out
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    recv_x, _, _, handle = ep.dispatch(x, ids, weights)
+    for bad, message in ((torch.empty(1, 16, dtype=torch.bfloat16), "out has dtype"),
+                         (torch.empty(2, 16), r"out has shape \(2, 16\), expected \(1, 16\)"),
+                         (torch.empty(1, 32)[:, ::2], "out must be contiguous")):
+        with pytest.raises(ValueError, match=message):
+            ep.combine(recv_x, handle, out=bad)
+    ep.destroy()
+
+
+def test_combine_writes_out():
+    run(_combine_into_out, 2)
+
+
+def test_import_needs_no_engine():
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None; import moe_ep, "
+            "moe_ep.integrations.transformers; print(moe_ep.swap_moe.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["moe_ep.integrations.transformers"]
