@@ -327,12 +327,14 @@ class EPAllToAll(runtime.CommObject):
 
     # ------------------------------------------------------------------------------------ combine
 
-    def combine(self, expert_out: torch.Tensor, handle: EPHandle, return_recv_hook: bool = False):
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, return_recv_hook: bool = False,
+                out: torch.Tensor | None = None):
         """Send each expert row's weighted sum back to its token's rank, and add them up there.
 
         Args:
             expert_out: [E_loc, W*T_max, H] in the layout of recv_x, dtype `dtype`.
             handle: the dispatch's handle (its receive must have run).
+            out: where to write y (contiguous [T, H] `dtype` on this device); a new tensor if None.
         Returns:
             y: [T, H] `dtype` (`out` when given): sum over k of topk_weights[t, k] * expert_out row of
                 (t, k), in fp32.
@@ -347,13 +349,16 @@ class EPAllToAll(runtime.CommObject):
             raise ValueError("stale handle: its dispatch buffers were reused by a later dispatch")
         if self._pending["combine"] >= SLOTS:
             raise ValueError("two combines are already in flight: call the receive hook of the earlier one first")
+        if out is not None:
+            self._expect("out", out, (self.dtype,), shape=(handle.num_tokens, self.hidden))
         slot = self._calls["combine"] % SLOTS
         self._calls["combine"] += 1
         if self.backend == "reference":
             y = reference.combine(expert_out, handle.reference, group=self.group)
+            y = y if out is None else out.copy_(y)
             return (y, _no_hook) if return_recv_hook else y
 
-        y = torch.empty((handle.num_tokens, self.hidden), dtype=self.dtype, device=self.device)
+        y = torch.empty((handle.num_tokens, self.hidden), dtype=self.dtype, device=self.device) if out is None else out
         if self.timing:
             self._stamps[2:].copy_(self._unstamped[2:])
         self._combine_send[slot, handle.slot](expert_out)
