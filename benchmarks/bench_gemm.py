@@ -7,7 +7,7 @@ Tile loop (moe_ep.kernels.matmul, every SM, its tile shapes): out [M, N] = a [M,
 w = weight.t() as nn.Linear stores it, on the per-rank shapes of bench_tp.py's prefill cases a-d at
 tp 2 and 4: all-gather GEMM (M, K, N / tp), GEMM reduce-scatter (M, K / tp, N). One column per
 variant of matmul.VARIANTS with its time, and `<variant>_vs_cublas` = cuBLAS time / its time (the
-issue's target: >= 0.98 on every shape).
+target: >= 0.98 on every shape).
 
 Grouped GEMM (moe_ep.kernels.grouped_gemm): the gate_up GEMM of DeepSeek-V3 (256 experts, hidden 7168,
 2 x 2048) and Qwen3-30B-A3B (128 experts, hidden 2048, 2 x 768), all experts on this GPU, 8/256 and
