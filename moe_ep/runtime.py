@@ -34,8 +34,8 @@ import torch.distributed as dist
 from . import mps
 
 __all__ = [
-    "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init", "heap_size", "finalize", "is_initialized", "symmetric_empty",
-    "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
+    "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init",
+    "heap_size", "finalize", "is_initialized", "symmetric_empty", "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
     "stream_write_value", "put_on_stream", "CommObject",
 ]
 
@@ -232,7 +232,7 @@ def init(group: dist.ProcessGroup | None = None) -> None:
     per_gpu = ranks_per_gpu()
     if per_gpu > 1 and not mps.listening():
         raise NvshmemUnavailable(f"{per_gpu} ranks share each GPU here, which NVSHMEM can do only under CUDA MPS, "
-                                 f"and no MPS control daemon answers at {mps.pipe_directory()}: {mps.HOW_TO_START}")
+                                 f"and no MPS control daemon listens at {mps.pipe_directory()}: {mps.HOW_TO_START}")
     core, _ = _nvshmem()
     from cuda.core import Device
 

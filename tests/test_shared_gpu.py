@@ -153,10 +153,10 @@ def test_nvshmem_without_mps_says_how_to_start_it(gloo_world_of_one, fake_contro
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(runtime.NvshmemUnavailable, match=r"2 ranks share each GPU .* no MPS control daemon answers .*"
+    with pytest.raises(runtime.NvshmemUnavailable, match=r"2 ranks share each GPU .* no MPS control daemon listens .*"
                                                          r"launch.sh --nproc N"):
         runtime.init()
-    with pytest.raises(runtime.NvshmemUnavailable, match="no MPS control daemon"):
+    with pytest.raises(runtime.NvshmemUnavailable, match="no MPS control daemon listens"):
         moe_ep.EPAllToAll(4, 128, 8, 2)
     assert not runtime.is_initialized()
 
