@@ -172,9 +172,10 @@ def init_distributed(init_method: str | None = None) -> torch.device:
         if not dist.is_initialized():
             dist.init_process_group("gloo", **meet)
         return torch.device("cpu")
-    shared = ranks_per_gpu() > 1
+    per_gpu = ranks_per_gpu()
+    shared = per_gpu > 1
     if shared:   # read when CUDA starts in this process (launch.sh sets it before the process starts)
-        os.environ.setdefault(mps.SHARE_VARIABLE, str(mps.share_percent(ranks_per_gpu())))
+        os.environ.setdefault(mps.SHARE_VARIABLE, str(mps.share_percent(per_gpu)))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus)
     torch.cuda.set_device(device)
     if not dist.is_initialized():

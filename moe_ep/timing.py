@@ -44,8 +44,9 @@ def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
     name = os.path.basename(sys.argv[0])
     if not torch.cuda.is_available():
         raise SystemExit(f"{name} needs GPUs")
-    if runtime.ranks_per_gpu() > 1:
-        raise SystemExit(f"{name} refuses shared-GPU mode ({runtime.ranks_per_gpu()} ranks per GPU): ranks that share "
+    per_gpu = runtime.ranks_per_gpu()
+    if per_gpu > 1:
+        raise SystemExit(f"{name} refuses shared-GPU mode ({per_gpu} ranks per GPU): ranks that share "
                          "one GPU's memory and SMs time neither NVLink nor a GPU of their own; run one rank per GPU")
     runtime.init_distributed()
     os.makedirs(args.out, exist_ok=True)
@@ -56,8 +57,9 @@ def why_untimed(device: torch.device) -> str | None:
     """Why timings taken on `device` in this job would mislead, or None when they would not."""
     if device.type != "cuda":
         return "gloo on CPU says nothing about GPU speed"
-    if runtime.ranks_per_gpu() > 1:
-        return f"{runtime.ranks_per_gpu()} ranks share each GPU, so times say nothing about NVLink or one GPU's speed"
+    per_gpu = runtime.ranks_per_gpu()
+    if per_gpu > 1:
+        return f"{per_gpu} ranks share each GPU, so times say nothing about NVLink or one GPU's speed"
     return None
 
 

@@ -19,12 +19,16 @@ if GPUS == 0:
 from moe_ep import mps  # noqa: E402  (after TRITON_INTERPRET)
 
 _session = contextlib.ExitStack()
+_gpu_tests_run = GPUS >= 2
 
 
 def pytest_configure(config):
-    if GPUS == 1 and shutil.which(mps.CONTROL) and not mps.running():
-        env = _session.enter_context(mps.daemon())
-        os.environ.update({name: env[name] for name in (mps.PIPE_VARIABLE, mps.LOG_VARIABLE)})
+    global _gpu_tests_run
+    if GPUS == 1 and shutil.which(mps.CONTROL):
+        if not mps.running():
+            env = _session.enter_context(mps.daemon())
+            os.environ.update({name: env[name] for name in (mps.PIPE_VARIABLE, mps.LOG_VARIABLE)})
+        _gpu_tests_run = True
 
 
 def pytest_unconfigure(config):
@@ -32,7 +36,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPUS >= 2 or (GPUS == 1 and mps.running()):
+    if _gpu_tests_run:
         return
     reason = (f"needs >= 2 CUDA GPUs, {GPUS} visible" if GPUS == 0 else
               f"one GPU visible and no CUDA MPS daemon to share it ({mps.CONTROL} missing or not answering)")

@@ -44,6 +44,7 @@ def _worker(fn, rank, world, folder, gpu, args, failed):
     try:
         if gpu:
             per_gpu = mps.ranks_per_gpu(world, GPUS)
+            # Ranks that share a GPU share its memory: 2 GiB each still holds the tests' largest buffers.
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G" if per_gpu == 1 else "2G")
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
             runtime.init_distributed(init_method=store)

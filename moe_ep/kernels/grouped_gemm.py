@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .matmul import descriptor
+from .matmul import describable, descriptor
 from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
 
 # The activations the gated form applies in its epilogue, by name, and what each means in torch.
@@ -221,7 +221,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     FP8 w (``quant.quantize_weights_fp8``) needs w_scales [E, N / 128, K / 128] f32; out is bf16 then.
     tiles: an entry like TILE_CONFIGS' to use as it is instead of the table's (for tuning; BLOCK_N
     counts output columns, BLOCK_K must divide the FP8 groups). variant: one of VARIANTS; None takes
-    DEFAULT_VARIANT where it can ("tma" needs a and w non-empty with 16-byte aligned rows), else "pointer".
+    DEFAULT_VARIANT where it can (``matmul.describable``: "tma" needs a and w non-empty and 16-byte
+    aligned), else "pointer".
 
     out: [E, R, N_out] or packed [P, N_out]; made if not given: packed [packed_rows, N_out] when
     packed_rows is given, else in a's layout. rows_per_expert: the expected rows per expert, which
@@ -236,11 +237,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     if counts.shape != (experts,) or counts.dtype != torch.int32 or counts.device != a.device:
         raise ValueError(f"counts must be int32 [{experts}] on {a.device}, got {counts.dtype} "
                          f"{tuple(counts.shape)} on {counts.device}")
-    if variant is None:
-        aligned = a.numel() and w.numel() and (a.shape[-1] * a.element_size()) % 16 == 0 and \
-            (w.shape[-1] * w.element_size()) % 16 == 0
-        variant = DEFAULT_VARIANT if aligned else "pointer"
-    if variant not in VARIANTS:
+    if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if activation not in (None, *ACTIVATIONS):
         raise ValueError(f"activation must be None or one of {tuple(ACTIVATIONS)}, got {activation!r}")
@@ -283,6 +280,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
     grid = (max(1, min(programs, tiles)),)
     a_desc = w_desc = None
+    if variant is None:
+        variant = DEFAULT_VARIANT if describable(a.view(-1, k)) and describable(w.view(-1, k)) else "pointer"
     if variant == "tma":
         a_desc = descriptor(a.view(-1, k), [config["BLOCK_M"], config["BLOCK_K"]])
         w_desc = descriptor(w.view(-1, k), [config["BLOCK_N"], config["BLOCK_K"]])

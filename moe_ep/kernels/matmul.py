@@ -186,11 +186,16 @@ def matmul_kernel(a, a_desc, w, w_desc, out, M, N, K, stride_am, stride_wk, stri
                  mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+def describable(t: torch.Tensor) -> bool:
+    """Whether TMA can address the 2-D t: non-empty, contiguous rows, start and row stride multiples
+    of 16 bytes."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.numel() > 0
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A tensor descriptor of the 2-D t in boxes `block`; ValueError where TMA cannot address t
-    (its last dimension strided, its start or row stride not a multiple of 16 bytes, or empty)."""
-    if not (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-            and t.numel() > 0):
+    (``describable``)."""
+    if not describable(t):
         raise ValueError(f"a tensor descriptor needs a non-empty tensor with contiguous rows, 16-byte aligned "
                          f"in start and row stride: got {tuple(t.shape)} with strides {t.stride()}")
     return TensorDescriptor.from_tensor(t, block)
