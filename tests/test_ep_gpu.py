@@ -1,4 +1,5 @@
-"""EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs.
+"""EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs
+(or 2-4 ranks sharing one GPU), on both paths (mode="low_latency" and mode="bulk").
 
 Dispatch is compared bit for bit (FP8 bytes, scales, counts, row sources); combine too,
 since both sum in fp32 in the same order (k order, then rank order) without fused
@@ -18,14 +19,19 @@ from moe_ep.routing import random_topk
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 160
 TOKENS = [0, 1, 7, 128, MAX_TOKENS]
+MODES = ("low_latency", "bulk")
+BULK_MAX_TOKENS = 1024                      # several hundred blocks of BULK_ROWS tokens
+BULK_TOKENS = [0, 1, 9, 1000, BULK_MAX_TOKENS]
+BULK_CONFIGS = [(7168, 8, 64, True), (4096, 2, 16, False), (2048, 1, 8, True)]
 # hidden, topk, experts, fp8
 CONFIGS = [(2048, 1, 8, True), (2048, 2, 64, False), (2048, 8, 256, True), (4096, 1, 64, True),
            (4096, 2, 256, True), (4096, 8, 8, False), (7168, 1, 256, False), (7168, 2, 8, True),
            (7168, 8, 64, True), (7168, 8, 256, True)]
 
 
-def check_call(ep, x, ids, weights, straggle=None):
-    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal."""
+def check_call(ep, x, ids, weights, straggle=None, out=False):
+    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal.
+    With out=True combine writes a tensor of the caller's."""
     rank, group = dist.get_rank(), ep.fp8_group
     if straggle is not None and straggle == rank:
         torch.cuda._sleep(2_000_000)
@@ -40,27 +46,30 @@ def check_call(ep, x, ids, weights, straggle=None):
         assert torch.equal(recv_scales[valid], r_scales[valid]), "scales differ"
     if straggle is not None and straggle != rank:
         torch.cuda._sleep(2_000_000)
-    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle)
+    given = torch.empty_like(x) if out else None
+    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle, out=given)
+    assert y is given or not out
     y_ref = reference.combine(expert_fn(r_x, r_scales, group, x.dtype), r_handle)
     assert torch.equal(y, y_ref), f"combine differs: max {(y.float() - y_ref.float()).abs().max()}"
     return recv_count
 
 
-def _sweep(rank, world, configs):
+def _sweep(rank, world, configs, mode="low_latency", max_tokens=MAX_TOKENS, token_counts=TOKENS):
     rng = random.Random(1)
     for hidden, topk, experts, fp8 in configs:
-        ep = EPAllToAll(MAX_TOKENS, hidden, experts, topk, fp8_dispatch=fp8)
+        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8, mode=mode)
+        assert ep.mode == mode
         seed = hidden + topk + experts
-        for i in range(len(TOKENS)):                       # token counts differ across ranks
-            tokens = [TOKENS[(i + r) % len(TOKENS)] for r in range(world)]
+        for i in range(len(token_counts)):                 # token counts differ across ranks
+            tokens = [token_counts[(i + r) % len(token_counts)] for r in range(world)]
             inputs = make_inputs(rank, tokens, hidden, experts, topk, seed + i, device="cuda")
-            check_call(ep, *inputs, straggle=rng.randrange(world + 1))
-        tokens = [MAX_TOKENS] * world
+            check_call(ep, *inputs, straggle=rng.randrange(world + 1), out=i % 2 == 1)
+        tokens = [max_tokens] * world
         one = experts - 1                                 # every token to one expert, on the last rank
         counts = check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, one_expert=one,
                                              device="cuda"))
         if rank == world - 1:
-            assert counts[-1] == world * MAX_TOKENS
+            assert counts[-1] == world * max_tokens
         check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, drop=0.3, device="cuda"))
         ep.destroy()
 
@@ -71,11 +80,18 @@ def test_dispatch_combine_sweep(part, world):
     run(_sweep, world, CONFIGS[part::2], gpu=True, timeout=600)
 
 
-def _back_to_back(rank, world):
-    ep = EPAllToAll(64, 2048, 64, 8, validate=False)
+@gpu_worlds
+def test_bulk_sweep(world):
+    """The bulk path: the small sizes of the low-latency sweep (one block), then hundreds of blocks."""
+    run(_sweep, world, CONFIGS[::3], "bulk", gpu=True, timeout=600)
+    run(_sweep, world, BULK_CONFIGS, "bulk", BULK_MAX_TOKENS, BULK_TOKENS, gpu=True, timeout=600)
+
+
+def _back_to_back(rank, world, mode, calls):
+    ep = EPAllToAll(64, 2048, 64, 8, validate=False, mode=mode)
     g = torch.Generator().manual_seed(rank)
     rng = random.Random(5)
-    for call in range(1000):
+    for call in range(calls):
         tokens = int(torch.randint(0, 65, (1,), generator=g))
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
         ids, weights = random_topk(tokens, 64, 8, device="cuda", generator=g)
@@ -86,13 +102,14 @@ def _back_to_back(rank, world):
 
 
 @gpu_worlds
-def test_thousand_back_to_back_calls(world):
-    run(_back_to_back, world, gpu=True, timeout=600)
+@pytest.mark.parametrize("mode, calls", [("low_latency", 1000), ("bulk", 300)])
+def test_back_to_back_calls(mode, calls, world):
+    run(_back_to_back, world, mode, calls, gpu=True, timeout=600)
 
 
-def _hooks_graphs_and_errors(rank, world):
+def _hooks_graphs_and_errors(rank, world, mode):
     hidden, experts, topk = 2048, 64, 8
-    ep = EPAllToAll(32, hidden, experts, topk)
+    ep = EPAllToAll(32, hidden, experts, topk, mode=mode)
     tokens = [32 - r for r in range(world)]
     a = make_inputs(rank, tokens, hidden, experts, topk, seed=1, device="cuda")
     b = make_inputs(rank, tokens, hidden, experts, topk, seed=2, device="cuda")
@@ -121,7 +138,7 @@ def _hooks_graphs_and_errors(rank, world):
 
     # Bad input: ValueError before any launch, earlier results untouched, the next call fine.
     recv_x, _, recv_count, _ = ep.dispatch(*a)
-    kept, calls = recv_x.clone(), dict(ep._calls)
+    kept, calls = recv_x.clone(), (ep._dispatches, ep._combines)
     bad_inputs = {"x has dtype torch.float32": (a[0].float(), a[1], a[2]),
                   "x is on cpu": (a[0].cpu(), a[1], a[2]),
                   r"topk_ids has shape \(\d+, 1\)": (a[0], a[1][:, :1].contiguous(), a[2])}
@@ -129,7 +146,7 @@ def _hooks_graphs_and_errors(rank, world):
         with pytest.raises(ValueError, match=message):
             ep.dispatch(*bad)
     torch.cuda.synchronize()
-    assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and ep._calls == calls
+    assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and (ep._dispatches, ep._combines) == calls
     check_call(ep, *b)
 
     # Out-of-range ids are found by the dispatch kernel: dropped like -1, reported by check() (or the next call).
@@ -139,7 +156,7 @@ def _hooks_graphs_and_errors(rank, world):
     _, _, recv_count, _ = ep.dispatch(a[0], bad_ids, a[2])
     _, _, r_count, _ = reference.dispatch(a[0], dropped, a[2], num_experts=experts, max_tokens=32, fp8_group=128)
     assert torch.equal(recv_count, r_count)
-    call = ep._calls["dispatch"]
+    call = ep._dispatches
     with pytest.raises(ValueError, match=rf"rank {rank}: dispatch call {call} had topk_ids\[0, 1\] = {experts + rank}"):
         ep.check()
     check_call(ep, *b)
@@ -165,12 +182,13 @@ def _hooks_graphs_and_errors(rank, world):
 
 
 @gpu_worlds
-def test_hooks_graphs_and_bad_input(world):
-    run(_hooks_graphs_and_errors, world, gpu=True, timeout=300)
+@pytest.mark.parametrize("mode", MODES)
+def test_hooks_graphs_and_bad_input(mode, world):
+    run(_hooks_graphs_and_errors, world, mode, gpu=True, timeout=300)
 
 
-def _timeout(rank, world):
-    ep = EPAllToAll(8, 256, 8, 2, timeout_s=0.5)
+def _timeout(rank, world, mode):
+    ep = EPAllToAll(8, 256, 8, 2, timeout_s=0.5, mode=mode)
     if rank == 0:                                         # nobody else dispatches
         ep.dispatch(*make_inputs(0, [8] * world, 256, 8, 2, seed=3, device="cuda"))
         with pytest.raises(CommTimeoutError, match=r"rank 0: dispatch .* waiting for rank [1-9]"):
@@ -181,13 +199,14 @@ def _timeout(rank, world):
 
 
 @gpu_worlds
-def test_timeout_raises(world):
-    run(_timeout, world, gpu=True, timeout=120)
+@pytest.mark.parametrize("mode", MODES)
+def test_timeout_raises(mode, world):
+    run(_timeout, world, mode, gpu=True, timeout=120)
 
 
-def _never_synchronizes(rank, world):
+def _never_synchronizes(rank, world, mode):
     """Eager dispatch and combine, with validation and hooks, never wait for the GPU."""
-    ep = EPAllToAll(32, 2048, 64, 8, validate=True)
+    ep = EPAllToAll(32, 2048, 64, 8, validate=True, mode=mode)
     inputs = make_inputs(rank, [32] * world, 2048, 64, 8, seed=4, device="cuda")
     expert_out = torch.randn(ep.experts_per_rank, world * 32, 2048, device="cuda", dtype=torch.bfloat16)
     check_call(ep, *inputs)                              # compiles every kernel first
@@ -210,5 +229,6 @@ def _never_synchronizes(rank, world):
 
 
 @gpu_worlds
-def test_eager_calls_never_synchronize(world):
-    run(_never_synchronizes, world, gpu=True, timeout=300)
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_calls_never_synchronize(mode, world):
+    run(_never_synchronizes, world, mode, gpu=True, timeout=300)
