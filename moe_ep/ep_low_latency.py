@@ -18,9 +18,7 @@ from .shmem import INTERPRETING
 # Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 96
 # per thread, so 5 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
 # rows in flight to cover HBM and NVLink latency.
-# The one-launch kernels: dispatch 80 registers (6 would fit; 5 keeps the send phase's count), combine 101 (4 fit).
-PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
-                   "dispatch": 5, "combine": 4}
+PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
@@ -103,16 +101,13 @@ class LowLatency(EPProtocol):
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
         self.layout_ids, self.layout_experts = layout_tile(config)
-        layout = triton.cdiv(config.num_experts, self.layout_experts)   # layout programs, or items
+        layout = triton.cdiv(config.num_experts, self.layout_experts)   # layout programs
         combine_chunks = triton.cdiv(H, COMBINE_COLUMNS)
         work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks, "combine_send": W * T * combine_chunks,
-                "combine_recv": T * combine_chunks, "dispatch": layout + W * T * chunks, "combine": W * T * combine_chunks}
+                "combine_recv": T * combine_chunks}
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
         grid["dispatch_send"] += layout
         self._start(config, device, status, grid)
-        # The one-launch kernels' work counters, int64 [3]: send items claimed, send items done, receive items
-        # claimed (rearmed by the last program of each launch).
-        self.claims = {name: self.local((3,), torch.int64) for name in ("dispatch", "combine")}
         self.dispatch_buffers = dispatch_buffers(config, symmetric_zeros, self.local)
         self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
                                               arrived=symmetric_zeros((S, W), torch.int64),
@@ -153,35 +148,3 @@ class LowLatency(EPProtocol):
             "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
             data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4,
             **early) for s in range(SLOTS)]
-        self._dispatch = [self.bind(
-            "dispatch", kernels.dispatch_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
-            peers=dispatch_peers, freed_ptr=d.freed, data_ptr=d.data, scale_ptr=d.scales, staged_ids_ptr=d.ids,
-            staged_w_ptr=d.weights, pos_ptr=d.positions, count_ptr=d.counts, tokens_ptr=d.tokens,
-            arrived_ptr=d.arrived, recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s],
-            recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s],
-            kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s],
-            num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts, BLOCK_I=self.layout_ids,
-            VALIDATE=c.validate, num_warps=4, **self._both_phases("dispatch"), **quantize) for s in range(SLOTS)]
-        self._combine = {(s, ds): self.bind(
-            "combine", kernels.combine_kernel, s, ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
-            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
-            kept_tokens_ptr=d.kept_tokens[ds], data_ptr=cb.data, arrived_ptr=cb.arrived, freed_ptr=cb.freed,
-            peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4, **self._both_phases("combine"),
-            enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
-            for s in range(SLOTS) for ds in range(SLOTS)}
-
-    def _both_phases(self, op: str) -> dict:
-        """The kernel arguments of op's one-launch kernel: both phases' use counts and stamps, its work counters."""
-        return dict(send_uses_ptr=self.uses[f"{op}_send"], recv_uses_ptr=self.uses[f"{op}_recv"],
-                    send_stamps_ptr=self.stamps[KERNELS.index(f"{op}_send")],
-                    recv_stamps_ptr=self.stamps[KERNELS.index(f"{op}_recv")], claims_ptr=self.claims[op])
-
-    def dispatch(self, slot, x, topk_ids, topk_weights, call) -> None:
-        """Both phases in one launch (kernels.all_to_all.dispatch_kernel)."""
-        self.reset_stamps("dispatch")
-        self._dispatch[slot](x, topk_ids, topk_weights, x.shape[0], call)
-
-    def combine(self, slot, dispatch_slot, expert_out, out, topk_ids, num_tokens) -> None:
-        """Both phases in one launch (kernels.all_to_all.combine_kernel)."""
-        self.reset_stamps("combine")
-        self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)

@@ -132,12 +132,12 @@ class EPProtocol:
     # --------------------------------------------------------------------- launches (bound in connect)
 
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
-        """Both phases of a dispatch (in one launch, where a protocol can)."""
+        """Both phases of a dispatch, for a call without a receive hook."""
         self.dispatch_send(slot, x, topk_ids, topk_weights, call)
         self.dispatch_recv(slot)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
-        """Both phases of a combine (in one launch, where a protocol can)."""
+        """Both phases of a combine, for a call without a receive hook."""
         self.combine_send(slot, dispatch_slot, expert_out)
         self.combine_recv(slot, out, topk_ids, num_tokens)
 

@@ -43,8 +43,8 @@ def test_kernels_in_the_interpreter(case, mode):
     for call, tokens in enumerate(calls):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]
-        # Rank `whole` calls without a receive hook (both phases; one launch on the low-latency path) after the
-        # others' sends and before their receives: a one-launch kernel would spin forever on peers that have not sent.
+        # Rank `whole` calls without a receive hook (both phases at once) after the others' sends and before
+        # their receives; the others take the receive hook.
         whole = call % world
         others = [r for r in range(world) if r != whole]
         outs = [ep.dispatch(*inputs[r], return_recv_hook=r != whole) for r, ep in enumerate(ranks)

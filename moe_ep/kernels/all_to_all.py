@@ -1,7 +1,6 @@
 """Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
 
-Four kernels, two per direction (and one kernel per direction running both: see below), each
-launched by the low-latency protocol of ``moe_ep.EPAllToAll`` (``moe_ep.ep_low_latency``):
+Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll`` (``moe_ep.ep_low_latency``):
 
 dispatch_send   (on every rank, for its own tokens)
     programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
@@ -42,16 +41,6 @@ last one, which by then has seen every other program's stores, releases them all
 atomic per peer, all peers at once. Before writing into a slot a sender waits for the
 receivers' credits for that slot's previous use. Every wait is bounded (``wait_all_ge``): a
 timeout writes the status words and the host raises.
-
-One launch per op: ``dispatch_kernel`` and ``combine_kernel`` run both phases of an op in one
-kernel, for calls that need no receive hook. A program of such a kernel would spin in the
-receive phase while a program that has not started yet still owes sends, if work went by
-program id; so both phases hand out their work items from a counter instead (``_claim``): a
-program asks for send items until none is left, adds how many it did to a second counter, and
-the program whose add completes the count signals arrival (``_all_done``); only then does it
-wait for the peers. Programs that have not started own no work, whatever the other work on the
-GPU. The split kernels and the one-launch kernels share the ``uses`` words, so calls of either
-kind can follow each other on the same slots.
 
 Buffers a kernel reaches on peers come in one peer table per direction: int64 [rows, world],
 ``peers[ROW * world + r]`` = rank r's address of buffer ROW (the ``DISPATCH_PEERS`` /
@@ -145,23 +134,6 @@ def _retire(finished, uses, use):
         tl.store(finished, 0)
         tl.store(uses, use)
     return last
-
-
-@triton.jit
-def _claim(claims):
-    """The next work item of a dynamically shared item list: items go to the programs that run, in the
-    order they ask, so none waits for a program that has not started."""
-    return tl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _all_done(done, mine, total):
-    """Add this program's `mine` finished items to `done`; True in the one program whose add brings
-    the count to `total`. Like ``last_to_finish``, the acquire-release add makes what that program
-    releases next publish every counted item's stores."""
-    tl.debug_barrier()
-    before = tl.atomic_add(done, mine, sem="acq_rel", scope="sys")
-    return (before < total) & (before + mine >= total)
 
 
 @triton.jit
@@ -455,79 +427,6 @@ def dispatch_recv_kernel(
             TIMING, WORLD_PAD)
 
 
-@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
-def dispatch_kernel(
-    x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
-    peers,                                                   # int64 [DISPATCH_PEERS, world]
-    freed_ptr,                                               # my credit counters [SLOTS, world]
-    data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
-    recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
-    claims_ptr,                                              # int64 [3]: send items claimed, done; receive claimed
-    finished_ptr, send_uses_ptr, recv_uses_ptr, clock_ptr, status_addr, send_stamps_ptr, recv_stamps_ptr,
-    num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
-    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
-):
-    """dispatch_send_kernel then dispatch_recv_kernel in one launch. Both phases share their work out
-    through `claims_ptr` (``_claim``): a program asks for send items until none is left, and only then
-    waits for the peers, so programs that spin can never hold back a send (a program that has not
-    started owns no item). The program that completes the last send item signals arrival; the last
-    program to finish frees the slot on every sender and rearms the claims."""
-    _stamp(send_stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(send_uses_ptr, slot)
-    clock = _clock(clock_ptr)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT, clock,
-                     WORLD_PAD)
-    _stamp(send_stamps_ptr, STAMP_WAITED, TIMING)
-    layout_items = tl.cdiv(num_experts, EXPERTS_BLOCK)
-    send_items = layout_items + num_tokens * tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
-    stage = slot * world + rank                              # my row block on every receiver
-    mine = use * 0
-    if ok:
-        item = _claim(claims_ptr)
-        while item < send_items:
-            if item < layout_items:
-                _dispatch_layout(ids_ptr, peers, status_ptr, item, stage, num_tokens, call, world, max_tokens, topk,
-                                 experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
-            else:
-                _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item - layout_items, send_items, stage, num_tokens,
-                                 world, max_tokens, hidden, topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-            mine += 1
-            item = _claim(claims_ptr)
-    _stamp(send_stamps_ptr, STAMP_WORKED, TIMING)
-    if _all_done(claims_ptr + 1, mine, send_items):
-        signal_add_all(peers + D_ARRIVED * world, stage, world, 1, WORLD_PAD)
-        _stamp(send_stamps_ptr, STAMP_SIGNALED, TIMING)
-
-    _stamp(recv_stamps_ptr, STAMP_STARTED, TIMING)
-    if ok:
-        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL, clock,
-                         WORLD_PAD)
-    _stamp(recv_stamps_ptr, STAMP_WAITED, TIMING)
-    recv_items = world * max_tokens * tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
-    if ok:
-        item = _claim(claims_ptr + 2)
-        while item < recv_items:
-            if item == 0:
-                _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
-                                      experts_per_rank)
-            _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr,
-                                 recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
-                                 item, recv_items, slot * world, rank, world, max_tokens, hidden, topk,
-                                 experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-            item = _claim(claims_ptr + 2)
-    _stamp(recv_stamps_ptr, STAMP_WORKED, TIMING)
-    if _retire(finished_ptr + slot, recv_uses_ptr + slot, use):
-        tl.store(send_uses_ptr + slot, use)
-        for c in tl.static_range(3):
-            tl.store(claims_ptr + c, 0)
-        signal_add_all(peers + D_FREED * world, stage, world, 1, WORLD_PAD)
-        _stamp(recv_stamps_ptr, STAMP_SIGNALED, TIMING)
-
-
 @triton.jit(do_not_specialize=_INTS)
 def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
@@ -576,61 +475,3 @@ def combine_recv_kernel(
                             max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr,
             TIMING, WORLD_PAD)
-
-
-@triton.jit(do_not_specialize=_INTS + ["num_tokens"])
-def combine_kernel(
-    y_ptr,                                                   # expert_out [E_loc, R, H]
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
-    out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
-    data_ptr, arrived_ptr, freed_ptr,                        # my combine staging, arrival and credit counters
-    peers,                                                   # int64 [COMBINE_PEERS, world]
-    claims_ptr,                                              # int64 [3]: send items claimed, done; receive claimed
-    finished_ptr, send_uses_ptr, recv_uses_ptr, clock_ptr, status_addr, send_stamps_ptr, recv_stamps_ptr,
-    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    TIMING: tl.constexpr,
-):
-    """combine_send_kernel then combine_recv_kernel in one launch, work shared out as in dispatch_kernel."""
-    _stamp(send_stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(send_uses_ptr, slot)
-    clock = _clock(clock_ptr)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT, clock,
-                     WORLD_PAD)
-    _stamp(send_stamps_ptr, STAMP_WAITED, TIMING)
-    chunks = tl.cdiv(hidden, BLOCK_H)
-    send_items = world * max_tokens * chunks
-    mine = use * 0
-    if ok:
-        item = _claim(claims_ptr)
-        while item < send_items:
-            _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item,
-                                send_items, slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                                BLOCK_H, K_PAD)
-            mine += 1
-            item = _claim(claims_ptr)
-    _stamp(send_stamps_ptr, STAMP_WORKED, TIMING)
-    if _all_done(claims_ptr + 1, mine, send_items):
-        signal_add_all(peers + C_ARRIVED * world, slot * world + rank, world, 1, WORLD_PAD)
-        _stamp(send_stamps_ptr, STAMP_SIGNALED, TIMING)
-
-    _stamp(recv_stamps_ptr, STAMP_STARTED, TIMING)
-    if ok:
-        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL, clock,
-                         WORLD_PAD)
-    _stamp(recv_stamps_ptr, STAMP_WAITED, TIMING)
-    recv_items = num_tokens * chunks
-    if ok:
-        item = _claim(claims_ptr + 2)
-        while item < recv_items:
-            _combine_recv_items(out_ptr, ids_ptr, data_ptr, item, recv_items, num_tokens, slot, world, max_tokens,
-                                hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
-            item = _claim(claims_ptr + 2)
-    _stamp(recv_stamps_ptr, STAMP_WORKED, TIMING)
-    if _retire(finished_ptr + slot, recv_uses_ptr + slot, use):
-        tl.store(send_uses_ptr + slot, use)
-        for c in tl.static_range(3):
-            tl.store(claims_ptr + c, 0)
-        signal_add_all(peers + C_FREED * world, slot * world + rank, world, 1, WORLD_PAD)
-        _stamp(recv_stamps_ptr, STAMP_SIGNALED, TIMING)
