@@ -1,6 +1,6 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
-    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep] [--breakdown] [--paths]
+    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep] [--breakdown]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
@@ -10,7 +10,7 @@ combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Tim
   host      CPU time from entering a call to its return, with the GPU busy; median
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
             handle, views); host - front is what the launches cost
-  kernels   mean device time of our kernels per call (one, or two with a bulk path), from the profiler
+  kernels   mean device time of our two kernels per call (send, receive), from the profiler
 and, in the same process, eager:
   nccl       what a plain PyTorch user writes: quantize, pack each token once per destination rank,
              exchange counts (one host sync), one all_to_all_single of packed rows, index work to
@@ -20,10 +20,7 @@ and, in the same process, eager:
 Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
 destination rank) over the graph time. `--breakdown` reruns the decode settings with device
 timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32 to 2048
-tokens per rank (graph) and draws latency.png. `--paths` times both paths (mode="low_latency" and
-mode="bulk") at 128 to 4096 tokens per rank (graph, eager, host) and prints the token count from
-which the bulk path is faster: the value for moe_ep.ep.BULK_MIN_TOKENS. Writes results.json and
-results.md under --out. `--host-only` needs no GPU: it prints the front's host time per call on a
+tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out. `--host-only` needs no GPU: it prints the front's host time per call on a
 simulated one-process world (EPAllToAll.simulated), launches left out.
 """
 import json
@@ -40,7 +37,6 @@ from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
-PATHS, PATH_TOKENS = ("low_latency", "bulk"), (128, 512, 1024, 2048, 4096)
 LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
@@ -109,17 +105,15 @@ def front_host_us(ep, x, ids, weights, expert_out, iters: int = 200) -> dict:
 
 def host_only() -> None:
     """The front's host time per call without a GPU: rank 0 of a simulated 2-rank world at the decode
-    sizes, both paths."""
+    sizes."""
     print("front host time per call (launches left out), CPU, us:")
-    for mode in PATHS:
-        for tokens in DECODE:
-            ep = EPAllToAll.simulated(2, tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP, mode=mode)[0]
-            x = torch.randn(tokens, HIDDEN).bfloat16()
-            ids, weights = random_topk(tokens, EXPERTS, TOPK)
-            expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
-            times = front_host_us(ep, x, ids, weights, expert_out)
-            print(f"  {mode:>11}, {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, "
-                  f"combine {times['combine_front_us']:.1f}")
+    for tokens in DECODE:
+        ep = EPAllToAll.simulated(2, tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP)[0]
+        x = torch.randn(tokens, HIDDEN).bfloat16()
+        ids, weights = random_topk(tokens, EXPERTS, TOPK)
+        expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
+        times = front_host_us(ep, x, ids, weights, expert_out)
+        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, combine {times['combine_front_us']:.1f}")
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
@@ -203,18 +197,18 @@ def breakdown(ep, x, ids, weights, expert_out, iters: int) -> dict:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
-def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, mode: str = "auto") -> dict:
+def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
-    ours = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, mode=mode)
+    ours = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
     expert_out = torch.randn(ours.experts_per_rank, world * tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     *_, handle = ours.dispatch(x, ids, weights)
     dispatch = lambda: ours.dispatch(x, ids, weights)             # noqa: E731
     combine = lambda: ours.combine(expert_out, handle)            # noqa: E731
 
-    out = {"tokens": tokens, "mode": ours.mode, "programs": dict(ours.protocol.grid),
+    out = {"tokens": tokens, "programs": dict(ours.protocol.grid),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)                    # the graph's dispatches moved the slots on
@@ -236,7 +230,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, mode: str
         recv_count = ours.dispatch(x, ids, weights)[2]
         assert torch.equal(recv_count, nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)[2]), \
             "the NCCL baseline routes differently"
-    if full or mode != "auto":
+    if full:
         out["dispatch_eager_us"] = eager_median(dispatch, iters)
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_eager_us"] = eager_median(combine, iters)
@@ -247,7 +241,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, mode: str
         out.update(front_host_us(ours, x, ids, weights, expert_out))
     ours.destroy()
     if with_breakdown:
-        timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True, mode=mode)
+        timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, breakdown(timed, x, ids, weights, expert_out, iters // 2))
         out["breakdown"] = per_rank
@@ -264,7 +258,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, mode: str
     return out
 
 
-COLUMNS = ["tokens", "mode", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us",
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us",
            "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl",
            "combine_graph_us", "combine_eager_us", "combine_host_us", "combine_front_us", "combine_kernel_us",
            "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB",
@@ -307,38 +301,20 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def crossover(rows) -> str:
-    """From --paths rows: the smallest token count from which bulk (dispatch + combine, graph) is faster."""
-    total = {(r["mode"], r["tokens"]): r["dispatch_graph_us"] + r["combine_graph_us"] for r in rows if "paths" in r}
-    if not total:
-        return ""
-    faster = [t for t in PATH_TOKENS if total.get(("bulk", t), float("inf")) < total.get(("low_latency", t), 0.0)]
-    first = next((t for t in PATH_TOKENS if all(u in faster for u in PATH_TOKENS if u >= t)), None)
-    return (f"Crossover (graph, dispatch + combine): bulk is faster from {first} tokens per rank on"
-            if first else "Crossover: bulk was not faster at any measured token count") + \
-        " (set moe_ep.ep.BULK_MIN_TOKENS to it)\n"
-
-
 def main():
     if "--host-only" in sys.argv:
         host_only()
         return
     args = benchmark_args(__doc__, iters=100, sweep="also time 32 to 2048 tokens per rank and draw latency.png",
-                          breakdown="time each phase of the decode settings with device timestamps",
-                          paths="time both paths at 128 to 4096 tokens per rank and print the crossover")
+                          breakdown="time each phase of the decode settings with device timestamps")
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": []}
-    plan = [(t, args.iters, True, args.breakdown, "auto") for t in DECODE] + \
-        [(PREFILL, args.iters // 4, True, False, "auto")]
+    plan = [(t, args.iters, True, args.breakdown) for t in DECODE] + [(PREFILL, args.iters // 4, True, False)]
     if args.sweep:
-        plan += [(t, args.iters // 2, False, False, "auto") for t in SWEEP]
-    if args.paths:
-        plan += [(t, max(8, args.iters // 4), False, False, m) for t in PATH_TOKENS for m in PATHS]
-    for tokens, iters, full, with_breakdown, mode in plan:   # results are written as they come: a cut run keeps them
-        row = measure(tokens, iters, full, with_breakdown, mode)
-        if mode != "auto":
-            row["paths"] = True
+        plan += [(t, args.iters // 2, False, False) for t in SWEEP]
+    for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
+        row = measure(tokens, iters, full, with_breakdown)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
@@ -353,9 +329,8 @@ def main():
         lines = [line for row in rows for line in breakdown_lines(row)]
         if lines:
             text += "\nBreakdown (device timestamps, medians):\n\n" + "\n".join(f"    {line}" for line in lines) + "\n"
-        text += crossover(rows)
         if args.sweep:
-            plot([r for r in rows if "paths" not in r], os.path.join(args.out, f"latency_{world}ranks.png"))
+            plot(rows, os.path.join(args.out, f"latency_{world}ranks.png"))
         with open(os.path.join(args.out, f"all_to_all_{world}ranks.md"), "w") as f:
             f.write(text)
         print(text)

@@ -7,10 +7,9 @@
     ep.destroy()                                                            # collective
 
 What the tensors mean is ``moe_ep.reference``'s contract. The front checks every argument,
-counts calls into buffer slots, makes handles and hooks, and picks the backend and the path; the
-path is a protocol object that owns its buffers and kernels (``ep_low_latency.LowLatency``:
-decode, ``ep_bulk.Bulk``: prefill; ``ep_protocol`` says what a protocol offers). Every rank must
-speak the same protocol, so the path is chosen once, from max_tokens, not per call.
+counts calls into buffer slots, makes handles and hooks, and picks the backend; the kernels
+and their buffers belong to a protocol object (``ep_low_latency.LowLatency``; ``ep_protocol``
+says what a protocol offers, so that another one is a new module beside it, not a branch here).
 
 Results of a dispatch are views into buffers of one of two slots (double buffering): they stay
 valid until the dispatch after next; combine's result likewise until the combine after next
@@ -32,20 +31,14 @@ import torch
 import torch.distributed as dist
 
 from . import reference, runtime
-from .ep_bulk import Bulk
 from .ep_low_latency import LowLatency
 from .ep_protocol import SLOTS, EPConfig
 from .kernels import all_to_all as kernels
 
 BACKENDS = ("nvshmem", "reference")
-PROTOCOLS = {"low_latency": LowLatency, "bulk": Bulk}
-MODES = ("auto", *PROTOCOLS)
 MAX_TOPK = 16
 IDS_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# mode="auto" takes the bulk path from this max_tokens up. Provisional: set it from the crossover that
-# benchmarks/bench_all_to_all.py --paths prints (both paths timed at 128 to 4096 tokens per rank).
-BULK_MIN_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -75,9 +68,6 @@ class EPAllToAll(runtime.CommObject):
         timeout_s: bound of every device-side wait.
         validate: range-check topk_ids on the device (reported by the next call or check()).
         timing: record per-phase device timestamps of every call, for ``breakdown()``.
-        mode: the nvshmem backend's path: "low_latency" (one token row per work item, one signal per
-            peer: decode), "bulk" (blocks of token rows per work item, one signal per block: prefill),
-            or "auto": bulk when max_tokens >= BULK_MIN_TOKENS.
         num_sms: at most this many SMs' worth of programs per kernel (None: every SM), so that the
             kernels can run beside a GEMM.
     """
@@ -87,11 +77,11 @@ class EPAllToAll(runtime.CommObject):
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False,
-                 mode: str = "auto", num_sms: int | None = None):
+                 num_sms: int | None = None):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
-                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, mode, num_sms)
+                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms)
         sms = self._open(group, backend)
         if sms is None:
             return
@@ -102,7 +92,7 @@ class EPAllToAll(runtime.CommObject):
     @classmethod
     def simulated(cls, world: int, max_tokens: int, hidden: int, num_experts: int, topk: int,
                   dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
-                  timeout_s: float = 5.0, validate: bool = True, timing: bool = False, mode: str = "auto",
+                  timeout_s: float = 5.0, validate: bool = True, timing: bool = False,
                   num_sms: int = 1) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
         the symmetric buffers are plain tensors and the peer tables hold their addresses. Under the
@@ -112,7 +102,7 @@ class EPAllToAll(runtime.CommObject):
         for rank in range(world):
             ep = cls.__new__(cls)
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                          "nvshmem", timeout_s, validate, timing, mode, num_sms)
+                          "nvshmem", timeout_s, validate, timing, num_sms)
             ep.group, ep.device = None, torch.device("cpu")
             ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=num_sms)
             ranks.append(ep)
@@ -123,9 +113,9 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                   backend, timeout_s, validate, timing=False, mode="auto", num_sms=None) -> None:
+                   backend, timeout_s, validate, timing=False, num_sms=None) -> None:
         _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                      backend, timeout_s, mode, num_sms)
+                      backend, timeout_s, num_sms)
         self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype,
                                fp8_group if fp8_dispatch else None, timeout_s, validate, timing)
         self.world, self.rank = world, rank
@@ -134,7 +124,6 @@ class EPAllToAll(runtime.CommObject):
         self.dtype, self.backend, self.validate, self.timing = dtype, backend, validate, timing
         self.fp8_group = self.config.fp8_group
         self.timeout_s = timeout_s
-        self.mode = mode if mode != "auto" else "bulk" if max_tokens >= BULK_MIN_TOKENS else "low_latency"
         self.num_sms = num_sms
         self._dispatches = self._combines = 0            # calls so far: call n uses slot n % SLOTS
         self._pending = {"dispatch": 0, "combine": 0}    # receive hooks not yet called
@@ -142,14 +131,14 @@ class EPAllToAll(runtime.CommObject):
         self._broken: str | None = None
 
     def _allocate(self, symmetric_zeros, sms: int) -> None:
-        """The status words and the protocol of `self.mode` with its buffers: symmetric ones from
+        """The status words and the protocol with its buffers: symmetric ones from
         `symmetric_zeros(shape, dtype)`, local ones on self.device; grids bounded by `sms` (the same on
         every rank), or by num_sms if fewer."""
         self._status = torch.zeros(kernels.EP_STATUS_WORDS, dtype=torch.int32,
                                    pin_memory=self.device.type == "cuda")
         self._status_words = self._status.numpy()        # read by the host without a sync: pinned, written by kernels
         sms = min(sms, self.num_sms or sms)
-        self.protocol = PROTOCOLS[self.mode](self.config, symmetric_zeros, self.device, self._status, sms)
+        self.protocol = LowLatency(self.config, symmetric_zeros, self.device, self._status, sms)
         self._symmetric = self.protocol.symmetric
 
     def _connect(self, peer_addresses) -> None:
@@ -334,11 +323,9 @@ def _no_hook() -> None:
 
 
 def _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                  timeout_s, mode, num_sms) -> None:
+                  timeout_s, num_sms) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
         raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("num_experts", num_experts)):

@@ -2,7 +2,7 @@
 object (``EPProtocol``).
 
 A protocol is one kernel module and one class beside it (``ep_low_latency.LowLatency`` over
-``kernels/all_to_all.py``, ``ep_bulk.Bulk`` over ``kernels/all_to_all_bulk.py``). The class owns
+``kernels/all_to_all.py``). The class owns
 that module's buffers (dataclasses, one comment per field) and its bound kernels, and offers the
 front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
 

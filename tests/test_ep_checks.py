@@ -27,8 +27,7 @@ def _config_errors(rank, world):
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             EPAllToAll(**{**GOOD, **change, "backend": change.get("backend", "reference")})
-    for change, message in ((dict(mode="fast"), "mode must be one of"), (dict(num_sms=0), "num_sms"),
-                            (dict(num_sms=2.5), "num_sms")):
+    for change, message in ((dict(num_sms=0), "num_sms"), (dict(num_sms=2.5), "num_sms")):
         with pytest.raises(ValueError, match=message):
             EPAllToAll(**GOOD, **change, backend="reference")
 
@@ -116,24 +115,21 @@ def compile_once(self, *values):
     print(self.fn.__name__)
 
 BoundKernel.__call__ = compile_once
-for mode in ("low_latency", "bulk"):
-    p = EPAllToAll.simulated(2, 64, 7168, 256, 8, mode=mode)[0].protocol
-    x, y = torch.zeros(64, 7168, dtype=torch.bfloat16), torch.zeros(64, 7168, dtype=torch.bfloat16)
-    ids, weights = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(64, 8)
-    expert_out = torch.zeros(128, 128, 7168, dtype=torch.bfloat16)
-    p.dispatch_send(0, x, ids, weights, 1); p.dispatch_recv(0)
-    p.combine_send(0, 0, expert_out); p.combine_recv(0, y, ids, 64)
+p = EPAllToAll.simulated(2, 64, 7168, 256, 8)[0].protocol
+x, y = torch.zeros(64, 7168, dtype=torch.bfloat16), torch.zeros(64, 7168, dtype=torch.bfloat16)
+ids, weights = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(64, 8)
+expert_out = torch.zeros(128, 128, 7168, dtype=torch.bfloat16)
+p.dispatch_send(0, x, ids, weights, 1); p.dispatch_recv(0)
+p.combine_send(0, 0, expert_out); p.combine_recv(0, y, ids, 64)
 """
 
 
 def test_every_kernel_compiles_for_sm90():
-    """Both paths' kernels, as bound, compile to a cubin for sm_90 (Triton's PTX and ptxas; no GPU needed),
+    """Every EP kernel, as bound, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no GPU needed),
     outside the interpreter, so that CPU-only CI sees what the GPU would compile."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert set(done.stdout.split()) == {
-        "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel",
-        "bulk_dispatch_send_kernel", "bulk_dispatch_recv_kernel",
-        "bulk_combine_send_kernel", "bulk_combine_recv_kernel"}
+        "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"}

@@ -1,5 +1,5 @@
 """EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs
-(or 2-4 ranks sharing one GPU), on both paths (mode="low_latency" and mode="bulk").
+(or 2-4 ranks sharing one GPU).
 
 Dispatch is compared bit for bit (FP8 bytes, scales, counts, row sources); combine too,
 since both sum in fp32 in the same order (k order, then rank order) without fused
@@ -19,10 +19,6 @@ from moe_ep.routing import random_topk
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 160
 TOKENS = [0, 1, 7, 128, MAX_TOKENS]
-MODES = ("low_latency", "bulk")
-BULK_MAX_TOKENS = 1024                      # several hundred blocks of BULK_ROWS tokens
-BULK_TOKENS = [0, 1, 9, 1000, BULK_MAX_TOKENS]
-BULK_CONFIGS = [(7168, 8, 64, True), (4096, 2, 16, False), (2048, 1, 8, True)]
 # hidden, topk, experts, fp8
 CONFIGS = [(2048, 1, 8, True), (2048, 2, 64, False), (2048, 8, 256, True), (4096, 1, 64, True),
            (4096, 2, 256, True), (4096, 8, 8, False), (7168, 1, 256, False), (7168, 2, 8, True),
@@ -54,11 +50,10 @@ def check_call(ep, x, ids, weights, straggle=None, out=False):
     return recv_count
 
 
-def _sweep(rank, world, configs, mode="low_latency", max_tokens=MAX_TOKENS, token_counts=TOKENS):
+def _sweep(rank, world, configs, max_tokens=MAX_TOKENS, token_counts=TOKENS):
     rng = random.Random(1)
     for hidden, topk, experts, fp8 in configs:
-        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8, mode=mode)
-        assert ep.mode == mode
+        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8)
         seed = hidden + topk + experts
         for i in range(len(token_counts)):                 # token counts differ across ranks
             tokens = [token_counts[(i + r) % len(token_counts)] for r in range(world)]
@@ -80,15 +75,8 @@ def test_dispatch_combine_sweep(part, world):
     run(_sweep, world, CONFIGS[part::2], gpu=True, timeout=600)
 
 
-@gpu_worlds
-def test_bulk_sweep(world):
-    """The bulk path: the small sizes of the low-latency sweep (one block), then hundreds of blocks."""
-    run(_sweep, world, CONFIGS[::3], "bulk", gpu=True, timeout=600)
-    run(_sweep, world, BULK_CONFIGS, "bulk", BULK_MAX_TOKENS, BULK_TOKENS, gpu=True, timeout=600)
-
-
-def _back_to_back(rank, world, mode, calls):
-    ep = EPAllToAll(64, 2048, 64, 8, validate=False, mode=mode)
+def _back_to_back(rank, world, calls):
+    ep = EPAllToAll(64, 2048, 64, 8, validate=False)
     g = torch.Generator().manual_seed(rank)
     rng = random.Random(5)
     for call in range(calls):
@@ -102,14 +90,13 @@ def _back_to_back(rank, world, mode, calls):
 
 
 @gpu_worlds
-@pytest.mark.parametrize("mode, calls", [("low_latency", 1000), ("bulk", 300)])
-def test_back_to_back_calls(mode, calls, world):
-    run(_back_to_back, world, mode, calls, gpu=True, timeout=600)
+def test_back_to_back_calls(world):
+    run(_back_to_back, world, 1000, gpu=True, timeout=600)
 
 
-def _hooks_graphs_and_errors(rank, world, mode):
+def _hooks_graphs_and_errors(rank, world):
     hidden, experts, topk = 2048, 64, 8
-    ep = EPAllToAll(32, hidden, experts, topk, mode=mode)
+    ep = EPAllToAll(32, hidden, experts, topk)
     tokens = [32 - r for r in range(world)]
     a = make_inputs(rank, tokens, hidden, experts, topk, seed=1, device="cuda")
     b = make_inputs(rank, tokens, hidden, experts, topk, seed=2, device="cuda")
@@ -182,13 +169,12 @@ def _hooks_graphs_and_errors(rank, world, mode):
 
 
 @gpu_worlds
-@pytest.mark.parametrize("mode", MODES)
-def test_hooks_graphs_and_bad_input(mode, world):
-    run(_hooks_graphs_and_errors, world, mode, gpu=True, timeout=300)
+def test_hooks_graphs_and_bad_input(world):
+    run(_hooks_graphs_and_errors, world, gpu=True, timeout=300)
 
 
-def _timeout(rank, world, mode):
-    ep = EPAllToAll(8, 256, 8, 2, timeout_s=0.5, mode=mode)
+def _timeout(rank, world):
+    ep = EPAllToAll(8, 256, 8, 2, timeout_s=0.5)
     if rank == 0:                                         # nobody else dispatches
         ep.dispatch(*make_inputs(0, [8] * world, 256, 8, 2, seed=3, device="cuda"))
         with pytest.raises(CommTimeoutError, match=r"rank 0: dispatch .* waiting for rank [1-9]"):
@@ -199,14 +185,13 @@ def _timeout(rank, world, mode):
 
 
 @gpu_worlds
-@pytest.mark.parametrize("mode", MODES)
-def test_timeout_raises(mode, world):
-    run(_timeout, world, mode, gpu=True, timeout=120)
+def test_timeout_raises(world):
+    run(_timeout, world, gpu=True, timeout=120)
 
 
-def _never_synchronizes(rank, world, mode):
+def _never_synchronizes(rank, world):
     """Eager dispatch and combine, with validation and hooks, never wait for the GPU."""
-    ep = EPAllToAll(32, 2048, 64, 8, validate=True, mode=mode)
+    ep = EPAllToAll(32, 2048, 64, 8, validate=True)
     inputs = make_inputs(rank, [32] * world, 2048, 64, 8, seed=4, device="cuda")
     expert_out = torch.randn(ep.experts_per_rank, world * 32, 2048, device="cuda", dtype=torch.bfloat16)
     check_call(ep, *inputs)                              # compiles every kernel first
@@ -229,6 +214,5 @@ def _never_synchronizes(rank, world, mode):
 
 
 @gpu_worlds
-@pytest.mark.parametrize("mode", MODES)
-def test_eager_calls_never_synchronize(mode, world):
-    run(_never_synchronizes, world, mode, gpu=True, timeout=300)
+def test_eager_calls_never_synchronize(world):
+    run(_never_synchronizes, world, gpu=True, timeout=300)

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False, mode="low_latency"):
+def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False):
     return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=fp8_group is not None,
-                                fp8_group=fp8_group or 128, timing=timing, mode=mode)
+                                fp8_group=fp8_group or 128, timing=timing)
 
 
 # world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert
@@ -29,17 +29,15 @@ CASES = [
     (2, [(4, 1), (2, 0), (5, 5)], 64, 4, 1, None, 0.0, None),
     (3, [(2, 0, 3), (4, 4, 1), (0, 0, 2)], 128, 6, 4, 64, 0.25, None),
     (3, [(3, 3, 3), (1, 2, 3), (3, 0, 1)], 200, 9, 3, None, 0.2, 4),
-    (2, [(17, 9), (0, 20), (20, 1)], 128, 4, 2, 32, 0.1, None),       # several bulk blocks (BULK_ROWS = 8)
+    (2, [(17, 9), (0, 20), (20, 1)], 128, 4, 2, 32, 0.1, None),
 ]
-MODES = ("low_latency", "bulk")
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernels_in_the_interpreter(case, mode):
+def test_kernels_in_the_interpreter(case):
     world, calls, hidden, experts, topk, group, drop, one_expert = CASES[case]
     max_tokens = max(max(c) for c in calls)
-    ranks = simulated_world(world, max_tokens, hidden, experts, topk, group, mode=mode)
+    ranks = simulated_world(world, max_tokens, hidden, experts, topk, group)
     for call, tokens in enumerate(calls):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]
@@ -79,11 +77,10 @@ def test_kernels_in_the_interpreter(case, mode):
         assert not ep._status.any()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_back_to_back_dispatches_and_two_in_flight(mode):
+def test_back_to_back_dispatches_and_two_in_flight():
     """Dispatches without combines between them (credits alone keep the slots apart), then two in flight."""
     world, tokens, hidden, experts, topk = 2, 12, 128, 4, 2
-    ranks = simulated_world(world, tokens, hidden, experts, topk, None, mode=mode)
+    ranks = simulated_world(world, tokens, hidden, experts, topk, None)
     for call in range(6):
         inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=call) for r in range(world)]
         outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
@@ -109,12 +106,11 @@ def test_back_to_back_dispatches_and_two_in_flight(mode):
         assert not ep._status.any()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call(mode):
+def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call():
     """validate=True: an id outside [-1, E) is found on the device, dropped like -1, and the next call
     raises a ValueError naming the call, the slot and the value; the object stays usable."""
     world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
-    ranks = simulated_world(world, tokens, hidden, experts, topk, 64, timing=True, mode=mode)
+    ranks = simulated_world(world, tokens, hidden, experts, topk, 64, timing=True)
     inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=3) for r in range(world)]
     bad = [(x, ids.clone(), w) for x, ids, w in inputs]
     bad[1][1][2, 1] = experts + 5
