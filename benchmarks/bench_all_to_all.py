@@ -1,13 +1,16 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
     bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep] [--breakdown]
+    python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
 combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Timings of ours:
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
   eager     one call after a barrier, CUDA events; median
   host      CPU time from entering a call to its return, with the GPU busy; median
-  kernels   mean device time of our two kernels per call, from the profiler
+  front     the same with the protocol's launches left out: the front's own share (checks, slot,
+            handle, views); host - front is what the launches cost
+  kernels   mean device time of our two kernels per call (send, receive), from the profiler
 and, in the same process, eager:
   nccl       what a plain PyTorch user writes: quantize, pack each token once per destination rank,
              exchange counts (one host sync), one all_to_all_single of packed rows, index work to
@@ -17,11 +20,13 @@ and, in the same process, eager:
 Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
 destination rank) over the graph time. `--breakdown` reruns the decode settings with device
 timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32 to 2048
-tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out.
+tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out. `--host-only` needs no GPU: it prints the front's host time per call on a
+simulated one-process world (EPAllToAll.simulated), launches left out.
 """
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -32,6 +37,7 @@ from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
+LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def barrier() -> None:
@@ -67,6 +73,47 @@ def host_median(fn, iters: int = 20) -> float:
         times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def _no_launch(*args) -> None:
+    """A protocol launch left out (front_host_us)."""
+
+
+def front_host_us(ep, x, ids, weights, expert_out, iters: int = 200) -> dict:
+    """Median CPU microseconds of dispatch and combine with the protocol's launches left out: the
+    front's own share of a call. Every rank must run it the same number of times (it moves the slots on)."""
+    for name in LAUNCHES:
+        setattr(ep.protocol, name, _no_launch)
+    try:
+        out = {}
+        for op in ("dispatch", "combine"):
+            times = []
+            for _ in range(iters):
+                *_, handle = ep.dispatch(x, ids, weights)
+                start = time.perf_counter()
+                if op == "dispatch":
+                    ep.dispatch(x, ids, weights)
+                else:
+                    ep.combine(expert_out, handle)
+                times.append((time.perf_counter() - start) * 1e6)
+            out[f"{op}_front_us"] = statistics.median(times)
+        return out
+    finally:
+        for name in LAUNCHES:
+            delattr(ep.protocol, name)
+
+
+def host_only() -> None:
+    """The front's host time per call without a GPU: rank 0 of a simulated 2-rank world at the decode
+    sizes."""
+    print("front host time per call (launches left out), CPU, us:")
+    for tokens in DECODE:
+        ep = EPAllToAll.simulated(2, tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP)[0]
+        x = torch.randn(tokens, HIDDEN).bfloat16()
+        ids, weights = random_topk(tokens, EXPERTS, TOPK)
+        expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
+        times = front_host_us(ep, x, ids, weights, expert_out)
+        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, combine {times['combine_front_us']:.1f}")
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
@@ -161,19 +208,13 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     dispatch = lambda: ours.dispatch(x, ids, weights)             # noqa: E731
     combine = lambda: ours.combine(expert_out, handle)            # noqa: E731
 
-    out = {"tokens": tokens, "programs": dict(ours._grid),
+    out = {"tokens": tokens, "programs": dict(ours.protocol.grid),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)                    # the graph's dispatches moved the slots on
     out["combine_graph_us"] = graph_median(combine, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)
     if full:
-        out["dispatch_eager_us"] = eager_median(dispatch, iters)
-        *_, handle = ours.dispatch(x, ids, weights)
-        out["combine_eager_us"] = eager_median(combine, iters)
-        out["dispatch_host_us"] = host_median(dispatch)
-        *_, handle = ours.dispatch(x, ids, weights)
-        out["combine_host_us"] = host_median(combine)
         dist.barrier()
         out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_send", "dispatch_recv"])
         *_, handle = ours.dispatch(x, ids, weights)
@@ -189,6 +230,15 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
         recv_count = ours.dispatch(x, ids, weights)[2]
         assert torch.equal(recv_count, nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)[2]), \
             "the NCCL baseline routes differently"
+    if full:
+        out["dispatch_eager_us"] = eager_median(dispatch, iters)
+        *_, handle = ours.dispatch(x, ids, weights)
+        out["combine_eager_us"] = eager_median(combine, iters)
+        out["dispatch_host_us"] = host_median(dispatch)
+        *_, handle = ours.dispatch(x, ids, weights)
+        out["combine_host_us"] = host_median(combine)
+        torch.cuda.synchronize()
+        out.update(front_host_us(ours, x, ids, weights, expert_out))
     ours.destroy()
     if with_breakdown:
         timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
@@ -208,10 +258,11 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     return out
 
 
-COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_kernel_us",
-           "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl", "combine_graph_us",
-           "combine_eager_us", "combine_host_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
-           "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us",
+           "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl",
+           "combine_graph_us", "combine_eager_us", "combine_host_us", "combine_front_us", "combine_kernel_us",
+           "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB",
+           "dispatch_link_GBps", "combine_link_GBps"]
 PHASES = ("send", "signal", "wait", "recv")
 
 
@@ -251,6 +302,9 @@ def plot(rows, path):
 
 
 def main():
+    if "--host-only" in sys.argv:
+        host_only()
+        return
     args = benchmark_args(__doc__, iters=100, sweep="also time 32 to 2048 tokens per rank and draw latency.png",
                           breakdown="time each phase of the decode settings with device timestamps")
     rank, world = dist.get_rank(), dist.get_world_size()

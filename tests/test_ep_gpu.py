@@ -1,4 +1,5 @@
-"""EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs.
+"""EPAllToAll's NVSHMEM kernels against the reference on NCCL (all_to_all_single), on 2+ GPUs
+(or 2-4 ranks sharing one GPU).
 
 Dispatch is compared bit for bit (FP8 bytes, scales, counts, row sources); combine too,
 since both sum in fp32 in the same order (k order, then rank order) without fused
@@ -24,8 +25,9 @@ CONFIGS = [(2048, 1, 8, True), (2048, 2, 64, False), (2048, 8, 256, True), (4096
            (7168, 8, 64, True), (7168, 8, 256, True)]
 
 
-def check_call(ep, x, ids, weights, straggle=None):
-    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal."""
+def check_call(ep, x, ids, weights, straggle=None, out=False):
+    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal.
+    With out=True combine writes a tensor of the caller's."""
     rank, group = dist.get_rank(), ep.fp8_group
     if straggle is not None and straggle == rank:
         torch.cuda._sleep(2_000_000)
@@ -40,27 +42,29 @@ def check_call(ep, x, ids, weights, straggle=None):
         assert torch.equal(recv_scales[valid], r_scales[valid]), "scales differ"
     if straggle is not None and straggle != rank:
         torch.cuda._sleep(2_000_000)
-    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle)
+    given = torch.empty_like(x) if out else None
+    y = ep.combine(expert_fn(recv_x, recv_scales, group, x.dtype), handle, out=given)
+    assert y is given or not out
     y_ref = reference.combine(expert_fn(r_x, r_scales, group, x.dtype), r_handle)
     assert torch.equal(y, y_ref), f"combine differs: max {(y.float() - y_ref.float()).abs().max()}"
     return recv_count
 
 
-def _sweep(rank, world, configs):
+def _sweep(rank, world, configs, max_tokens=MAX_TOKENS, token_counts=TOKENS):
     rng = random.Random(1)
     for hidden, topk, experts, fp8 in configs:
-        ep = EPAllToAll(MAX_TOKENS, hidden, experts, topk, fp8_dispatch=fp8)
+        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8)
         seed = hidden + topk + experts
-        for i in range(len(TOKENS)):                       # token counts differ across ranks
-            tokens = [TOKENS[(i + r) % len(TOKENS)] for r in range(world)]
+        for i in range(len(token_counts)):                 # token counts differ across ranks
+            tokens = [token_counts[(i + r) % len(token_counts)] for r in range(world)]
             inputs = make_inputs(rank, tokens, hidden, experts, topk, seed + i, device="cuda")
-            check_call(ep, *inputs, straggle=rng.randrange(world + 1))
-        tokens = [MAX_TOKENS] * world
+            check_call(ep, *inputs, straggle=rng.randrange(world + 1), out=i % 2 == 1)
+        tokens = [max_tokens] * world
         one = experts - 1                                 # every token to one expert, on the last rank
         counts = check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, one_expert=one,
                                              device="cuda"))
         if rank == world - 1:
-            assert counts[-1] == world * MAX_TOKENS
+            assert counts[-1] == world * max_tokens
         check_call(ep, *make_inputs(rank, tokens, hidden, experts, topk, seed, drop=0.3, device="cuda"))
         ep.destroy()
 
@@ -71,11 +75,11 @@ def test_dispatch_combine_sweep(part, world):
     run(_sweep, world, CONFIGS[part::2], gpu=True, timeout=600)
 
 
-def _back_to_back(rank, world):
+def _back_to_back(rank, world, calls):
     ep = EPAllToAll(64, 2048, 64, 8, validate=False)
     g = torch.Generator().manual_seed(rank)
     rng = random.Random(5)
-    for call in range(1000):
+    for call in range(calls):
         tokens = int(torch.randint(0, 65, (1,), generator=g))
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
         ids, weights = random_topk(tokens, 64, 8, device="cuda", generator=g)
@@ -86,8 +90,8 @@ def _back_to_back(rank, world):
 
 
 @gpu_worlds
-def test_thousand_back_to_back_calls(world):
-    run(_back_to_back, world, gpu=True, timeout=600)
+def test_back_to_back_calls(world):
+    run(_back_to_back, world, 1000, gpu=True, timeout=600)
 
 
 def _hooks_graphs_and_errors(rank, world):
@@ -121,7 +125,7 @@ def _hooks_graphs_and_errors(rank, world):
 
     # Bad input: ValueError before any launch, earlier results untouched, the next call fine.
     recv_x, _, recv_count, _ = ep.dispatch(*a)
-    kept, calls = recv_x.clone(), dict(ep._calls)
+    kept, calls = recv_x.clone(), (ep._dispatches, ep._combines)
     bad_inputs = {"x has dtype torch.float32": (a[0].float(), a[1], a[2]),
                   "x is on cpu": (a[0].cpu(), a[1], a[2]),
                   r"topk_ids has shape \(\d+, 1\)": (a[0], a[1][:, :1].contiguous(), a[2])}
@@ -129,7 +133,7 @@ def _hooks_graphs_and_errors(rank, world):
         with pytest.raises(ValueError, match=message):
             ep.dispatch(*bad)
     torch.cuda.synchronize()
-    assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and ep._calls == calls
+    assert torch.equal(recv_x.view(torch.uint8), kept.view(torch.uint8)) and (ep._dispatches, ep._combines) == calls
     check_call(ep, *b)
 
     # Out-of-range ids are found by the dispatch kernel: dropped like -1, reported by check() (or the next call).
@@ -139,7 +143,7 @@ def _hooks_graphs_and_errors(rank, world):
     _, _, recv_count, _ = ep.dispatch(a[0], bad_ids, a[2])
     _, _, r_count, _ = reference.dispatch(a[0], dropped, a[2], num_experts=experts, max_tokens=32, fp8_group=128)
     assert torch.equal(recv_count, r_count)
-    call = ep._calls["dispatch"]
+    call = ep._dispatches
     with pytest.raises(ValueError, match=rf"rank {rank}: dispatch call {call} had topk_ids\[0, 1\] = {experts + rank}"):
         ep.check()
     check_call(ep, *b)

@@ -1,8 +1,9 @@
 """The EP kernels, all ranks in one process, in the Triton interpreter (CPU).
 
-Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors; the
-peer tables hold every rank's addresses, which is all the kernels see of NVSHMEM. Sends run
-for every rank before any receive (receive hooks), so no wait ever spins. Everything is
+Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors
+(EPAllToAll.simulated); the peer tables hold every rank's addresses, which is all the kernels
+see of NVSHMEM. Sends run for every rank before any receive (receive hooks; one rank per call
+calls without them, after the others' sends), so no wait ever spins. Everything is
 compared bit for bit, FP8 bytes included (moe_ep.kernels.quant.to_fp8 rounds exactly there).
 """
 import os
@@ -18,17 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False):
-    ranks = []
-    for rank in range(world):
-        ep = EPAllToAll.__new__(EPAllToAll)
-        ep._configure(world, rank, max_tokens, hidden, experts, topk, torch.bfloat16, fp8_group is not None,
-                      fp8_group or 128, "nvshmem", 5.0, True, timing)
-        ep.group, ep.device = None, torch.device("cpu")
-        ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=1)
-        ranks.append(ep)
-    for ep in ranks:
-        ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
-    return ranks
+    return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=fp8_group is not None,
+                                fp8_group=fp8_group or 128, timing=timing)
 
 
 # world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert
@@ -37,6 +29,7 @@ CASES = [
     (2, [(4, 1), (2, 0), (5, 5)], 64, 4, 1, None, 0.0, None),
     (3, [(2, 0, 3), (4, 4, 1), (0, 0, 2)], 128, 6, 4, 64, 0.25, None),
     (3, [(3, 3, 3), (1, 2, 3), (3, 0, 1)], 200, 9, 3, None, 0.2, 4),
+    (2, [(17, 9), (0, 20), (20, 1)], 128, 4, 2, 32, 0.1, None),
 ]
 
 
@@ -48,11 +41,17 @@ def test_kernels_in_the_interpreter(case):
     for call, tokens in enumerate(calls):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]
-        outs = [ep.dispatch(*inputs[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
-        for *_, hook in outs:
-            hook()
+        # Rank `whole` calls without a receive hook (both phases at once) after the others' sends and before
+        # their receives; the others take the receive hook.
+        whole = call % world
+        others = [r for r in range(world) if r != whole]
+        outs = [ep.dispatch(*inputs[r], return_recv_hook=r != whole) for r, ep in enumerate(ranks)
+                if r != whole]
+        outs.insert(whole, ranks[whole].dispatch(*inputs[whole]))
+        for r in others:
+            outs[r][-1]()
         expert_outs = []
-        for r, (recv_x, recv_scales, recv_count, handle, _) in enumerate(outs):
+        for r, (recv_x, recv_scales, recv_count, handle, *_) in enumerate(outs):
             expected = expected_dispatch(r, world, inputs, experts, max_tokens, group)
             assert recv_count.tolist() == [len(rows) for rows in expected], (call, r)
             for e, rows in enumerate(expected):
@@ -62,18 +61,25 @@ def test_kernels_in_the_interpreter(case):
                         assert torch.equal(recv_scales[e, i], scales)
                     assert int(handle.recv_src[e, i]) == source, (call, r, e, i)
             expert_outs.append(expert_fn(recv_x, recv_scales, group, torch.bfloat16))
-        combined = [ep.combine(expert_outs[r], outs[r][3], return_recv_hook=True) for r, ep in enumerate(ranks)]
-        for _, hook in combined:
-            hook()
+        given = [None if call % 2 else torch.full(inputs[r][0].shape, 7.0, dtype=torch.bfloat16)
+                 for r in range(world)]   # out= on even calls; a view of the object's buffer on odd ones
+        combined = [ep.combine(expert_outs[r], outs[r][3], return_recv_hook=True, out=given[r])
+                    for r, ep in enumerate(ranks) if r != whole]
+        combined.insert(whole, (ranks[whole].combine(expert_outs[whole], outs[whole][3], out=given[whole]), None))
+        for r in others:
+            combined[r][1]()
         for r, (y, _) in enumerate(combined):
             assert torch.equal(y, expected_combine(r, world, inputs, experts, group, torch.bfloat16)), (call, r)
+            owned = ranks[r].protocol.combine_buffers.out                   # [SLOTS, T_max, H]
+            assert y is given[r] if given[r] is not None else \
+                y.untyped_storage().data_ptr() == owned.untyped_storage().data_ptr()
     for ep in ranks:
         assert not ep._status.any()
 
 
 def test_back_to_back_dispatches_and_two_in_flight():
     """Dispatches without combines between them (credits alone keep the slots apart), then two in flight."""
-    world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
+    world, tokens, hidden, experts, topk = 2, 12, 128, 4, 2
     ranks = simulated_world(world, tokens, hidden, experts, topk, None)
     for call in range(6):
         inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=call) for r in range(world)]

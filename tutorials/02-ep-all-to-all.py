@@ -17,9 +17,13 @@ layer shape and launches the kernels:
 * combine sums, on each expert rank, w[t, k] * expert_out over the token's local experts
   and sends one row per (token, rank) back; the source adds the ranks' rows.
 
-This tutorial runs one step with a toy expert (dequantize, scale by expert), checks it
-against ``moe_ep.reference`` (the same contract on ``torch.distributed.all_to_all_single``)
-and, on GPUs, times dispatch and combine. Without GPUs the reference backend runs on gloo and
+The kernels move one token row per work item and send one signal per peer and call: the fewest
+steps between a call and its result. ``num_sms`` bounds the SMs they take, to leave room for a
+GEMM running beside them.
+
+This tutorial runs a decode-sized step and a prefill-sized one on at most 64 SMs with a toy
+expert (dequantize, scale by expert), checks both against ``moe_ep.reference`` (the same contract
+on ``torch.distributed.all_to_all_single``) and, on GPUs with one rank each, times them. Without GPUs the reference backend runs on gloo and
 nothing is timed: gloo on CPU says nothing about GPU speed.
 """
 import torch
@@ -37,12 +41,12 @@ def toy_experts(recv_x, recv_scales, recv_count):
     return (rows * scale[:, None, None]).bfloat16()
 
 
-def main():
-    device = runtime.init_distributed()
+def step(device, tokens, experts, num_sms=None):
+    """One dispatch -> toy experts -> combine, checked against the reference, timed."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, hidden, experts, topk = 128, 7168, 256, 8
+    hidden, topk = 7168, 8
     backend = "nvshmem" if device.type == "cuda" else "reference"
-    ep = EPAllToAll(tokens, hidden, experts, topk, backend=backend)
+    ep = EPAllToAll(tokens, hidden, experts, topk, backend=backend, num_sms=num_sms)
 
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
@@ -57,8 +61,8 @@ def main():
     y_ref = reference.combine(toy_experts(r_x, r_scales, r_count), r_handle)
     assert torch.equal(recv_count, r_count) and torch.equal(y, y_ref)
     once, per_expert = link_copies(topk_ids, ep.experts_per_rank, rank, world)
-    print(f"rank {rank}: {int(recv_count.sum())} expert rows received; combine matches the reference; "
-          f"{once} token copies left this rank (one per (token, expert) would be {per_expert})")
+    print(f"rank {rank}, {tokens} tokens: {int(recv_count.sum())} expert rows received; combine matches "
+          f"the reference; {once} token copies left this rank (one per (token, expert) would be {per_expert})")
 
     skipped = why_untimed(device)
     if skipped is None:
@@ -67,11 +71,19 @@ def main():
         *_, handle = ep.dispatch(x, topk_ids, topk_weights)
         combine_us = median_us(lambda: ep.combine(out, handle))
         if rank == 0:
-            print(f"dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
-                  f"(eager, CUDA events; benchmarks/bench_all_to_all.py has the full comparison)")
+            print(f"{tokens} tokens: dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
+                  f"(eager, CUDA events)")
     elif rank == 0:
-        print(f"timing skipped: {skipped}")
+        print(f"{tokens} tokens: timing skipped: {skipped}")
     ep.destroy()
+
+
+def main():
+    device = runtime.init_distributed()
+    step(device, 128, 256)                            # decode: a few tokens per rank, every microsecond counts
+    # prefill: bandwidth, on at most 64 SMs' worth of programs (fewer experts keep the toy experts' fp32
+    # copy of recv_x [E_loc, W * T, H] small; the reference backend on CPU takes fewer tokens)
+    step(device, 1024 if device.type == "cuda" else 128, 64, num_sms=64)
 
 
 if __name__ == "__main__":

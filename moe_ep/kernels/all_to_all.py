@@ -1,12 +1,12 @@
 """Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
 
-Four kernels, two per direction, each launched by ``moe_ep.EPAllToAll``:
+Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll`` (``moe_ep.ep_low_latency``):
 
 dispatch_send   (on every rank, for its own tokens)
     programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
                           (token, k) order for a block of experts and writes, on the rank that
                           owns each expert e, the position of each hit among this rank's rows
-                          for e, and their count.
+                          for e, and their count; program 0 sends the token count.
     programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
                           The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
                           once to every rank that owns at least one of the token's experts; the
@@ -32,14 +32,15 @@ combine_recv    (on every source rank)
 
 The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
 n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
-still being read. Counters only grow: each program counts its own uses of each slot (``state``
-rows [0, SLOTS)), and a receiver waits until a sender's counter for the slot reaches that use
-count, so a stale signal can never pass for a fresh one. One signal per (call, peer): every
-program counts itself finished in a local counter (``finished[slot]``) and the last one, which
-by then has seen every other program's stores, releases them all with one atomic per peer, all
-peers at once. Before writing into a slot a sender waits for the receivers' credits for that
-slot's previous use. Every wait is bounded (``wait_all_ge``): a timeout writes the status words
-and the host raises.
+still being read. Counters only grow: each side of an op (send, receive) keeps its uses of each
+slot in a local word (``uses[slot]``: every program reads it when it starts, the last program
+to finish records the new count), and a receiver waits until a sender's counter for the slot
+reaches that use count, so a stale signal can never pass for a fresh one. One signal per (call,
+peer): every program counts itself finished in a local counter (``finished[slot]``) and the
+last one, which by then has seen every other program's stores, releases them all with one
+atomic per peer, all peers at once. Before writing into a slot a sender waits for the
+receivers' credits for that slot's previous use. Every wait is bounded (``wait_all_ge``): a
+timeout writes the status words and the host raises.
 
 Buffers a kernel reaches on peers come in one peer table per direction: int64 [rows, world],
 ``peers[ROW * world + r]`` = rank r's address of buffer ROW (the ``DISPATCH_PEERS`` /
@@ -111,23 +112,28 @@ def _peer(peers, row, r, world, dtype: tl.constexpr):
 
 
 @triton.jit
-def _next_use(state, slot):
-    """This program's use count of `slot`, incremented (only this program touches its entry).
-
-    Every thread loads the entry; the barrier keeps the store (by one thread) behind all the
-    loads, or a late warp would read the new count and wait for a different target.
-    """
-    entry = state + slot * tl.num_programs(0) + tl.program_id(0)
-    use = tl.load(entry) + 1
-    tl.debug_barrier()
-    tl.store(entry, use)
-    return use
+def _use(uses, slot):
+    """This launch's use count of `slot`: one more than the uses recorded by the last launch that
+    touched it (``_retire``). Every program reads it before the last program of this launch can
+    finish, so all programs agree."""
+    return tl.load(uses + slot, volatile=True) + 1
 
 
 @triton.jit
-def _clock(state, SLOTS: tl.constexpr):
-    """This program's clock word for the bounded waits: row SLOTS of `state`."""
-    return state + SLOTS * tl.num_programs(0) + tl.program_id(0)
+def _clock(clocks):
+    """This program's clock word for the bounded waits."""
+    return clocks + tl.program_id(0)
+
+
+@triton.jit
+def _retire(finished, uses, use):
+    """Count this program finished; True in the last one, which records `use` as the slot's uses
+    (word `uses`, read by the next launch) and rearms `finished` for the next launch."""
+    last = last_to_finish(finished, tl.num_programs(0))
+    if last:
+        tl.store(finished, 0)
+        tl.store(uses, use)
+    return last
 
 
 @triton.jit
@@ -141,10 +147,10 @@ def _stamp(stamps, which: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
-def _finish(finished, use, peers, row, offset, world, stamps, TIMING: tl.constexpr, WORLD_PAD: tl.constexpr):
+def _finish(finished, uses, use, peers, row, offset, world, stamps, TIMING: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank."""
     _stamp(stamps, STAMP_WORKED, TIMING)
-    if last_to_finish(finished, use * tl.num_programs(0)):
+    if _retire(finished, uses, use):
         signal_add_all(peers + row * world, offset, world, 1, WORLD_PAD)
         _stamp(stamps, STAMP_SIGNALED, TIMING)
 
@@ -170,8 +176,8 @@ def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, wor
                      EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
     """For experts [block * EXPERTS_BLOCK, ...) at once: the positions of this rank's (token, k) hits
     for each expert among its rows, in (t, k) order, and their count, written to the owner's
-    positions [T_max, K] and counts [E_loc] of row block `stage`. With VALIDATE, block 0 also
-    reports the first id outside [-1, E) in the status words."""
+    positions [T_max, K] and counts [E_loc] of row block `stage`. Block 0 also sends the token count,
+    and with VALIDATE reports the first id outside [-1, E) in the status words."""
     experts = block * EXPERTS_BLOCK + tl.arange(0, EXPERTS_BLOCK)
     real = experts < num_experts
     owner = tl.where(real, experts // experts_per_rank, 0)
@@ -196,6 +202,9 @@ def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, wor
             tl.store(status + STATUS_BAD_CALL, call)
     counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32)) + stage * experts_per_rank
     tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
+    if block == 0:
+        for r in range(world):
+            tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
 
 
 @triton.jit
@@ -236,15 +245,131 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                              mask=g < num_groups)
 
 
+@triton.jit
+def _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world, experts_per_rank):
+    """Receive's once-per-call part: the token count of each source, and the rows per local expert."""
+    for src in range(world):
+        tl.store(kept_tokens_ptr + src, tl.load(tokens_ptr + stage + src))
+    for e0 in range(0, experts_per_rank, 128):
+        e = e0 + tl.arange(0, 128)
+        total = tl.zeros((128,), tl.int32)
+        for src in range(world):
+            total += tl.load(count_ptr + (stage + src) * experts_per_rank + e, mask=e < experts_per_rank, other=0)
+        tl.store(recv_count_ptr + e, total, mask=e < experts_per_rank)
+
+
+@triton.jit
+def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr,
+                         recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
+                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
+    """Work items item0, item0 + items_step, ... of (source row, chunk): fan the received chunk out to
+    the rows of its local experts; with the first chunk, keep what combine needs."""
+    rows_per_expert = world * max_tokens
+    kk = tl.arange(0, K_PAD)
+    chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
+    num_groups = hidden // GROUP
+    for item in range(item0, rows_per_expert * chunks, items_step):
+        src_row = item // chunks                       # src * max_tokens + t
+        chunk = item % chunks
+        src = src_row // max_tokens
+        t = src_row % max_tokens
+        if t < tl.load(tokens_ptr + stage + src):
+            meta = (stage * max_tokens + src_row) * topk + kk
+            ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
+            local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
+            expert = tl.where(local, ids - rank * experts_per_rank, 0)
+            row = tl.load(pos_ptr + meta, mask=local, other=0)
+            for s in range(src):
+                row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
+            row = tl.where(local, row, -1)
+            if chunk == 0:
+                kept = src_row * topk + kk
+                tl.store(kept_ids_ptr + kept, ids, mask=kk < topk)
+                tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
+                tl.store(kept_row_ptr + kept, row, mask=kk < topk)
+                tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
+            if tl.max(local.to(tl.int32), 0) > 0:
+                g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
+                staged = stage.to(tl.int64) * max_tokens + src_row
+                payload = tl.load(data_ptr + staged * hidden + cols, mask=mask)
+                if FP8:
+                    scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < num_groups)
+                for k in tl.static_range(K_PAD):
+                    row_k = _pick(row, kk, k)
+                    if row_k >= 0:
+                        dst = _pick(expert, kk, k).to(tl.int64) * rows_per_expert + row_k
+                        tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
+                        if FP8:
+                            tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
+
+
+@triton.jit
+def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
+                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr):
+    """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
+    token's local experts, in fp32, k order, stored once into the source rank's combine buffer."""
+    rows_per_expert = world * max_tokens
+    chunks = tl.cdiv(hidden, BLOCK_H)
+    kk = tl.arange(0, K_PAD)
+    for item in range(item0, rows_per_expert * chunks, items_step):
+        src_row = item // chunks
+        src = src_row // max_tokens
+        t = src_row % max_tokens
+        if t < tl.load(kept_tokens_ptr + src):
+            meta = src_row * topk + kk
+            ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
+            local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
+            if tl.max(local.to(tl.int32), 0) > 0:
+                rows = tl.load(kept_row_ptr + meta, mask=local, other=0)
+                experts = tl.where(local, ids - rank * experts_per_rank, 0)
+                weights = tl.load(kept_w_ptr + meta, mask=local, other=0.0)
+                cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+                mask = cols < hidden
+                acc = tl.zeros((BLOCK_H,), tl.float32)
+                for k in tl.static_range(K_PAD):       # k order; the loads are all in flight at once
+                    local_k = _pick(local.to(tl.int32), kk, k) > 0
+                    dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
+                    y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
+                    acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
+                out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
+                row = (slot * world + rank).to(tl.int64) * max_tokens + t
+                tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_recv_items(out_ptr, ids_ptr, data_ptr, item0, items_step, num_tokens, slot, world, max_tokens, hidden,
+                        topk, experts_per_rank, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+                        WORLD_PAD: tl.constexpr):
+    """Work items item0, item0 + items_step, ... of (token, column chunk): the ranks' rows added in rank
+    order, in fp32, for the ranks the token was routed to."""
+    chunks = tl.cdiv(hidden, BLOCK_H)
+    kk = tl.arange(0, K_PAD)
+    for item in range(item0, num_tokens * chunks, items_step):
+        t = item // chunks
+        cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < hidden
+        ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
+        dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
+        acc = tl.zeros((BLOCK_H,), tl.float32)
+        for r in tl.static_range(WORLD_PAD):            # rank order
+            routed = tl.max((dest == r).to(tl.int32), 0) > 0
+            row = (slot * world + r).to(tl.int64) * max_tokens + t
+            part = tl.load(data_ptr + row * hidden + cols, mask=cols < tl.where(routed, hidden, 0), other=0.0)
+            acc = tl.where(routed, acc + part.to(tl.float32), acc)
+        tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     peers,                                                   # int64 [DISPATCH_PEERS, world]
     freed_ptr,                                               # my credit counters [SLOTS, world]
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
     VALIDATE: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
@@ -253,9 +378,9 @@ def dispatch_send_kernel(
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     _start_receiver()
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     pid = tl.program_id(0)
     layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
@@ -265,13 +390,10 @@ def dispatch_send_kernel(
             _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
                              experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
         else:
-            if pid == layout_programs:
-                for r in range(world):
-                    tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
             _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_programs,
                              tl.num_programs(0) - layout_programs, stage, num_tokens, world, max_tokens, hidden,
                              topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -280,69 +402,29 @@ def dispatch_recv_kernel(
     peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr, TIMING: tl.constexpr,
+    WORLD_PAD: tl.constexpr, TIMING: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
-    pid = tl.program_id(0)
-    rows_per_expert = world * max_tokens
     stage = slot * world                                   # first source row block of this slot
     if ok:
-        if pid == 0:
-            for src in range(world):
-                tl.store(kept_tokens_ptr + src, tl.load(tokens_ptr + stage + src))
-            for e0 in range(0, experts_per_rank, 128):
-                e = e0 + tl.arange(0, 128)
-                total = tl.zeros((128,), tl.int32)
-                for src in range(world):
-                    total += tl.load(count_ptr + (stage + src) * experts_per_rank + e, mask=e < experts_per_rank,
-                                     other=0)
-                tl.store(recv_count_ptr + e, total, mask=e < experts_per_rank)
-        kk = tl.arange(0, K_PAD)
-        chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
-        num_groups = hidden // GROUP
-        for item in range(pid, rows_per_expert * chunks, tl.num_programs(0)):
-            src_row = item // chunks                       # src * max_tokens + t
-            chunk = item % chunks
-            src = src_row // max_tokens
-            t = src_row % max_tokens
-            if t < tl.load(tokens_ptr + stage + src):
-                meta = (stage * max_tokens + src_row) * topk + kk
-                ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
-                local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
-                expert = tl.where(local, ids - rank * experts_per_rank, 0)
-                row = tl.load(pos_ptr + meta, mask=local, other=0)
-                for s in range(src):
-                    row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
-                row = tl.where(local, row, -1)
-                if chunk == 0:
-                    kept = src_row * topk + kk
-                    tl.store(kept_ids_ptr + kept, ids, mask=kk < topk)
-                    tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
-                    tl.store(kept_row_ptr + kept, row, mask=kk < topk)
-                    tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
-                if tl.max(local.to(tl.int32), 0) > 0:
-                    g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
-                    staged = stage.to(tl.int64) * max_tokens + src_row
-                    payload = tl.load(data_ptr + staged * hidden + cols, mask=mask)
-                    if FP8:
-                        scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < num_groups)
-                    for k in tl.static_range(K_PAD):
-                        row_k = _pick(row, kk, k)
-                        if row_k >= 0:
-                            dst = _pick(expert, kk, k).to(tl.int64) * rows_per_expert + row_k
-                            tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
-                            if FP8:
-                                tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
-    _finish(finished_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
+        if tl.program_id(0) == 0:
+            _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world,
+                                  experts_per_rank)
+        _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr, recv_x_ptr,
+                             recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, tl.program_id(0),
+                             tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk, experts_per_rank, FP8,
+                             GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr,
+            TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -350,9 +432,9 @@ def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
     peers,                                                   # int64 [COMBINE_PEERS, world]
-    freed_ptr, finished_ptr, state_ptr, status_addr, stamps_ptr,
+    freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     TIMING: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
@@ -360,38 +442,16 @@ def combine_send_kernel(
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     _start_receiver()
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
-        rows_per_expert = world * max_tokens
-        chunks = tl.cdiv(hidden, BLOCK_H)
-        kk = tl.arange(0, K_PAD)
-        for item in range(tl.program_id(0), rows_per_expert * chunks, tl.num_programs(0)):
-            src_row = item // chunks
-            src = src_row // max_tokens
-            t = src_row % max_tokens
-            if t < tl.load(kept_tokens_ptr + src):
-                meta = src_row * topk + kk
-                ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
-                local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
-                if tl.max(local.to(tl.int32), 0) > 0:
-                    rows = tl.load(kept_row_ptr + meta, mask=local, other=0)
-                    experts = tl.where(local, ids - rank * experts_per_rank, 0)
-                    weights = tl.load(kept_w_ptr + meta, mask=local, other=0.0)
-                    cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
-                    mask = cols < hidden
-                    acc = tl.zeros((BLOCK_H,), tl.float32)
-                    for k in tl.static_range(K_PAD):       # k order; the loads are all in flight at once
-                        local_k = _pick(local.to(tl.int32), kk, k) > 0
-                        dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
-                        y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
-                        acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
-                    out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
-                    row = (slot * world + rank).to(tl.int64) * max_tokens + t
-                    tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
-    _finish(finished_ptr + slot, use, peers, C_ARRIVED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
+        _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
+                            tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                            BLOCK_H, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_ARRIVED, slot * world + rank, world, stamps_ptr,
+            TIMING, WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -399,31 +459,19 @@ def combine_recv_kernel(
     out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
     data_ptr, arrived_ptr,                                   # my combine staging, arrival counters
     peers,                                                   # int64 [COMBINE_PEERS, world]: the expert ranks' credits
-    finished_ptr, state_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     TIMING: tl.constexpr,
 ):
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _next_use(state_ptr, slot)
+    use = _use(uses_ptr, slot)
     ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL,
-                     _clock(state_ptr, SLOTS), WORLD_PAD)
+                     _clock(clock_ptr), WORLD_PAD)
     _stamp(stamps_ptr, STAMP_WAITED, TIMING)
     if ok:
-        chunks = tl.cdiv(hidden, BLOCK_H)
-        kk = tl.arange(0, K_PAD)
-        for item in range(tl.program_id(0), num_tokens * chunks, tl.num_programs(0)):
-            t = item // chunks
-            cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask = cols < hidden
-            ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
-            dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
-            acc = tl.zeros((BLOCK_H,), tl.float32)
-            for r in tl.static_range(WORLD_PAD):            # rank order
-                routed = tl.max((dest == r).to(tl.int32), 0) > 0
-                row = (slot * world + r).to(tl.int64) * max_tokens + t
-                part = tl.load(data_ptr + row * hidden + cols, mask=cols < tl.where(routed, hidden, 0), other=0.0)
-                acc = tl.where(routed, acc + part.to(tl.float32), acc)
-            tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
-    _finish(finished_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr, TIMING, WORLD_PAD)
+        _combine_recv_items(out_ptr, ids_ptr, data_ptr, tl.program_id(0), tl.num_programs(0), num_tokens, slot, world,
+                            max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr,
+            TIMING, WORLD_PAD)

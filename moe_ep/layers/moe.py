@@ -97,7 +97,9 @@ class EPMoE(nn.Module):
             topk_weights = topk_weights * self.routed_scaling_factor
         recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids.contiguous(), topk_weights.contiguous())
         rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
-        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts), handle)
+        # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
+        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts), handle,
+                       out=torch.empty_like(tokens))
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return y

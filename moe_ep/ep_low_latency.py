@@ -1,0 +1,150 @@
+"""The low-latency protocol (decode): its buffers and launches over ``kernels/all_to_all.py``.
+
+Work items are one token row (chunk) each, signals one per (call, peer): the fewest steps
+between a call and its result, for tens to hundreds of tokens per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+
+from .ep_protocol import SLOTS, EPConfig, EPProtocol
+from .kernels.all_to_all import KERNELS
+from .kernels import all_to_all as kernels
+from .shmem import INTERPRETING
+
+# Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 96
+# per thread, so 5 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
+# rows in flight to cover HBM and NVLink latency.
+PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
+CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
+LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
+LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
+                             # costs dispatch_send registers: 127 at 4096)
+
+
+@dataclass
+class DispatchBuffers:
+    """Dispatch's buffers. S = SLOTS, W ranks, T = max_tokens, H = hidden, K = topk, G = H / fp8_group
+    scale groups, E_loc local experts, R = W * T rows per local expert. Row block [slot, src] of a
+    symmetric buffer is written by rank src's dispatch_send through a peer pointer."""
+    # symmetric (the peer table rows, kernels.DISPATCH_PEERS)
+    data: torch.Tensor         # [S, W, T, H] fp8 or dtype: each source's token rows; dispatch_recv reads them
+    scales: torch.Tensor       # [S, W, T, G] f32: their FP8 scales
+    ids: torch.Tensor          # [S, W, T, K] i32: each source token's expert ids (sent to every rank)
+    weights: torch.Tensor      # [S, W, T, K] f32: their weights (sent to the ranks the token goes to)
+    positions: torch.Tensor    # [S, W, T, K] i32: hit (t, k)'s place among the source's rows for its expert
+    counts: torch.Tensor       # [S, W, E_loc] i32: the source's rows per local expert (layout programs)
+    tokens: torch.Tensor       # [S, W] i32: how many tokens the source sent
+    arrived: torch.Tensor      # [S, W] i64: calls whose rows from each source have landed (dispatch_recv waits)
+    freed: torch.Tensor        # [S, W] i64: calls whose rows each receiver has read out (dispatch_send waits)
+    # local: dispatch_recv writes; the experts and combine_send read
+    recv_x: torch.Tensor       # [S, E_loc, R, H]: rows per local expert, in (source, token, k) order
+    recv_scales: torch.Tensor  # [S, E_loc, R, G] f32
+    recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
+    recv_src: torch.Tensor     # [S, E_loc, R] i32: (source * T + t) * K + k of each row
+    kept_ids: torch.Tensor     # [S, W, T, K] i32: the received ids, for combine_send
+    kept_weights: torch.Tensor  # [S, W, T, K] f32: the received weights (0 for other ranks' experts)
+    kept_rows: torch.Tensor    # [S, W, T, K] i32: the row of each local hit in recv_x (-1: not local)
+    kept_tokens: torch.Tensor  # [S, W] i32: tokens each source sent
+
+
+@dataclass
+class CombineBuffers:
+    """Combine's buffers (S, W, T, H as for dispatch). Row block [slot, r] of `data` is written by
+    expert rank r's combine_send through a peer pointer."""
+    data: torch.Tensor         # [S, W, T, H] dtype: rank r's sum over its experts of w * y per token
+    arrived: torch.Tensor      # [S, W] i64: calls whose rows from each expert rank have landed (combine_recv waits)
+    freed: torch.Tensor        # [S, W] i64: calls whose rows each source has read out (combine_send waits)
+    out: torch.Tensor          # [S, T, H] dtype, local: combine's results (y is a view unless out= is given)
+
+
+def dispatch_buffers(config: EPConfig, symmetric_zeros, local, cls=DispatchBuffers, symmetric=kernels.DISPATCH_PEERS,
+                     changes=None):
+    """`cls` (DispatchBuffers or a subclass) for `config`: the buffers named in `symmetric` from
+    symmetric_zeros(shape, dtype), the others from local(shape, dtype); `changes` maps a field to its
+    (shape, dtype) where a subclass adds or reshapes one."""
+    S, W, T, H, K, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
+                            config.experts_per_rank, config.groups)
+    shapes = {
+        "data": (S, W, T, H), "scales": (S, W, T, G), "ids": (S, W, T, K), "weights": (S, W, T, K),
+        "positions": (S, W, T, K), "counts": (S, W, EL), "tokens": (S, W), "arrived": (S, W), "freed": (S, W),
+        "recv_x": (S, EL, W * T, H), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
+        "recv_src": (S, EL, W * T), "kept_ids": (S, W, T, K), "kept_weights": (S, W, T, K),
+        "kept_rows": (S, W, T, K), "kept_tokens": (S, W)}
+    f32, i64 = torch.float32, torch.int64
+    dtypes = {"data": config.payload_dtype, "scales": f32, "weights": f32, "arrived": i64, "freed": i64,
+              "recv_x": config.payload_dtype, "recv_scales": f32, "kept_weights": f32}
+    for name, (shape, dtype) in (changes or {}).items():
+        shapes[name], dtypes[name] = shape, dtype
+    return cls(**{f.name: (symmetric_zeros if f.name in symmetric else local)(shapes[f.name], dtypes.get(f.name, torch.int32))
+                  for f in fields(cls)})
+
+
+def layout_tile(config: EPConfig) -> tuple[int, int]:
+    """(ids, experts) of one layout step (kernels.all_to_all._dispatch_layout): BLOCK_I, EXPERTS_BLOCK."""
+    ids = min(LAYOUT_IDS, triton.next_power_of_2(config.max_tokens * config.topk))
+    return ids, min(triton.next_power_of_2(config.num_experts), max(1, LAYOUT_TILE // ids))
+
+
+class LowLatency(EPProtocol):
+    """The low-latency protocol of one EPAllToAll: its buffers, grids and bound kernels."""
+
+    name = "low_latency"
+
+    def __init__(self, config: EPConfig, symmetric_zeros, device: torch.device, status: torch.Tensor, sms: int):
+        """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on `device`. Grids are
+        bounded by `sms` (the same on every rank) times PROGRAMS_PER_SM."""
+        S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
+        chunks = triton.cdiv(H, CHUNK_COLUMNS)
+        self.layout_ids, self.layout_experts = layout_tile(config)
+        layout = triton.cdiv(config.num_experts, self.layout_experts)   # layout programs
+        combine_chunks = triton.cdiv(H, COMBINE_COLUMNS)
+        work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks, "combine_send": W * T * combine_chunks,
+                "combine_recv": T * combine_chunks}
+        grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
+        grid["dispatch_send"] += layout
+        self._start(config, device, status, grid)
+        self.dispatch_buffers = dispatch_buffers(config, symmetric_zeros, self.local)
+        self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
+                                              arrived=symmetric_zeros((S, W), torch.int64),
+                                              freed=symmetric_zeros((S, W), torch.int64),
+                                              out=self.local((S, T, H), config.dtype))
+        self.publish(kernels.DISPATCH_PEERS, kernels.COMBINE_PEERS)
+
+    def connect(self, peer_addresses) -> None:
+        """Peer tables and bound kernels: per slot (and, for combine_send, per slot of the dispatch it
+        follows). peer_addresses(name, buffer) -> every rank's address of a symmetric buffer."""
+        c, d, cb = self.config, self.dispatch_buffers, self.combine_buffers
+        dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
+        combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)
+        group = c.fp8_group or 128
+        quantize = dict(FP8=c.fp8_group is not None, GROUP=group, BLOCK_GROUPS=CHUNK_COLUMNS // group)
+        # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
+        # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
+        early = {} if INTERPRETING else {"launch_pdl": True}
+        self._dispatch_send = [self.bind(
+            "dispatch_send", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts,
+            BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
+        self._dispatch_recv = [self.bind(
+            "dispatch_recv", kernels.dispatch_recv_kernel, s,
+            data_ptr=d.data, scale_ptr=d.scales, ids_ptr=d.ids, w_ptr=d.weights, pos_ptr=d.positions,
+            count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
+            recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
+            recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
+            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], num_warps=4, **quantize, **early)
+            for s in range(SLOTS)]
+        self._combine_send = {(s, ds): self.bind(
+            "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
+            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
+            kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed, BLOCK_H=COMBINE_COLUMNS,
+            num_warps=4, enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
+            for s in range(SLOTS) for ds in range(SLOTS)}
+        self._combine_recv = [self.bind(
+            "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
+            data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4,
+            **early) for s in range(SLOTS)]
