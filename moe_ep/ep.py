@@ -129,8 +129,8 @@ class EPAllToAll(runtime.CommObject):
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
                    backend, timeout_s, validate, timing=False) -> None:
-        _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                      backend, timeout_s)
+        check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
+                     backend, timeout_s)
         self.world, self.rank = world, rank
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden, num_experts, topk
         self.experts_per_rank = num_experts // world
@@ -406,8 +406,9 @@ def _no_hook() -> None:
     """The receive hook of the reference backend: its receive already happened."""
 
 
-def _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                  timeout_s) -> None:
+def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
+                 timeout_s=10.0) -> None:
+    """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("num_experts", num_experts)):
