@@ -2,9 +2,10 @@
 
     transformers   swap_moe: EPMoE into the sparse MoE blocks of a transformers model
     vllm           a prepare/finalize over EPAllToAll for vLLM's modular MoE kernel, and its plugin
+    sglang         a token dispatcher over EPAllToAll for SGLang's MoE layers, and its plugin
 
-``vllm`` imports vLLM: import it only where vLLM is installed. Engine modules share ``all_to_all``:
-the EPAllToAll of one layer shape, made once per process.
+``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
+``all_to_all``: the EPAllToAll of one layer shape, made once per process.
 """
 from __future__ import annotations
 
