@@ -114,8 +114,8 @@ class EPAllToAll(runtime.CommObject):
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
                    backend, timeout_s, validate, timing=False, num_sms=None) -> None:
-        _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                      backend, timeout_s, num_sms)
+        check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
+                     backend, timeout_s, num_sms)
         self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype,
                                fp8_group if fp8_dispatch else None, timeout_s, validate, timing)
         self.world, self.rank = world, rank
@@ -322,8 +322,9 @@ def _no_hook() -> None:
     """The receive hook of the reference backend: its receive already happened."""
 
 
-def _check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                  timeout_s, num_sms) -> None:
+def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
+                 timeout_s=10.0, num_sms=None) -> None:
+    """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):

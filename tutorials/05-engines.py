@@ -21,7 +21,11 @@ Serving a model:
 * vLLM 0.33.0: ``pip install "moe-ep[vllm]"``, then
   ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend moe_ep``.
   The package's ``vllm.general_plugins`` entry point adds the backend name in every vLLM process.
-* SGLang 0.5.23: not wired yet (see the README).
+* SGLang 0.5.23: ``pip install "moe-ep[sglang]"``, then ``MOE_EP_SGLANG=nvshmem python -m
+  sglang.launch_server --model-path MODEL --tp N --ep N --moe-a2a-backend deepep --deepep-mode low_latency``.
+  The package's ``sglang.srt.plugins`` entry point hooks SGLang's dispatcher factory: the MoE layers that
+  would get DeepEP's low-latency dispatcher get ``moe_ep.integrations.sglang.MoeEpDispatcher``, whose
+  output is the same layout, so SGLang's experts run on it unchanged.
 """
 import os
 

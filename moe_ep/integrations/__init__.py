@@ -2,6 +2,28 @@
 
     transformers   swap_moe: EPMoE into the sparse MoE blocks of a transformers model
     vllm           a prepare/finalize over EPAllToAll for vLLM's modular MoE kernel, and its plugin
+    sglang         a token dispatcher over EPAllToAll for SGLang's MoE layers, and its plugin
 
-``vllm`` imports vLLM: import it only where vLLM is installed.
+``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
+``all_to_all``: the EPAllToAll of one layer shape, made once per process.
 """
+from __future__ import annotations
+
+import torch
+
+from ..ep import EPAllToAll
+
+FP8_BLOCK = 128                    # columns per FP8 scale: the activation block the engines' FP8 experts take
+
+_ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
+
+
+def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
+               group=None, backend: str = "nvshmem") -> EPAllToAll:
+    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`), made on
+    first use (collective then) and shared after: an engine's MoE layers of one shape share one."""
+    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend)
+    if key not in _ALL_TO_ALLS:
+        _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
+                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend)
+    return _ALL_TO_ALLS[key]

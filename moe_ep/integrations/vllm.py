@@ -37,10 +37,10 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from . import FP8_BLOCK, all_to_all
 
 VLLM_VERSION = "0.33.0"
 BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
-FP8_BLOCK = 128                    # activation block the dispatch quantizes in (vLLM's block_shape[1])
 MICRO_BATCHES = 2                  # vLLM's dual-batch overlap runs two micro-batches, each with its own handle
 # Where vLLM 0.33.0 decides on the all-to-all backend, as "module:attribute"; register() wraps each.
 PATCH_POINTS = {
@@ -53,19 +53,6 @@ PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
     "fused_moe.eep_reconfigure", "fused_moe.oracle.unquantized", "fused_moe.oracle.fp8", "fused_moe.oracle.int8",
     "fused_moe.oracle.nvfp4", "fused_moe.oracle.mxfp4", "fused_moe.oracle.w4a8",
     "quantization.modelopt_block_quant", "quantization.utils.humming.moe"))
-
-_ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
-
-
-def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
-               group=None, backend: str = "nvshmem") -> EPAllToAll:
-    """The EPAllToAll of this shape on `group`, made on first use (collective then) and shared after."""
-    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend)
-    if key not in _ALL_TO_ALLS:
-        _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
-                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend)
-    return _ALL_TO_ALLS[key]
-
 
 def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
     """True when the experts take FP8 e4m3 activations in 1 x 128 blocks (what dispatch sends); False

@@ -1,0 +1,268 @@
+"""moe_ep as SGLang's token dispatcher, against SGLang's own dispatcher without expert parallelism.
+
+CPU (gloo, reference backend, fp32), 1, 2 and 4 ranks, SGLang's config published for DeepEP's
+low-latency mode and its plugins loaded (moe_ep's entry point hooks its dispatcher factory): the
+factory builds a MoeEpDispatcher per MoE layer; its dispatch, this rank's experts on the low-latency
+layout and its combine give, for every rank's tokens, what SGLang's StandardDispatcher and its
+torch-native MoE (fused_moe_forward_native) give with all experts on the rank, within fp32 rounding;
+masked_m is the per-expert count summed over ranks; layers of one shape share an EPAllToAll; zero
+tokens on a rank, one token, dropped slots (-1). At 2 ranks also: the _a/_b halves of two sub-batches
+in flight, FP8 dispatch (SGLang's default dispatch dtype: FP8 rows, fp32 scales per 128 columns),
+the dtype a quantization method sets, and what is refused. The experts on the low-latency layout are
+moe_ep's plain-torch grouped GEMM: SGLang's runner for that layout (DeepGEMM) needs a GPU.
+
+SGLang's MoE modules import torchvision (through sglang.srt.configs), and PyPI's torchvision imports
+only beside PyPI's torch build: run these in an environment with both (``.ci/run`` makes one).
+
+GPU (marked gpu): the same comparison with the nvshmem backend at 2 ranks in bf16.
+"""
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run
+
+pytest.importorskip("sglang.srt.layers.moe.token_dispatcher.deepep")
+
+from sglang.srt.distributed.parallel_state import GroupCoordinator  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_native import fused_moe_forward_native  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe_layer  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputFormat  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatcher  # noqa: E402
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend, initialize_moe_config  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.runtime_context import get_context, get_exec, get_flags, get_parallel  # noqa: E402
+
+from moe_ep.integrations import sglang as moe_ep_sglang  # noqa: E402
+from moe_ep.kernels.grouped_gemm import grouped_gemm_reference  # noqa: E402
+
+EXPERTS, HIDDEN, INTERMEDIATE, MAX_TOKENS = 8, 32, 16, 6
+
+
+def publish(rank, world, backend="reference"):
+    """SGLang's config for DeepEP low-latency on `world` ranks (unquantized dispatch), its TP and MoE EP
+    group (the same ranks) on gloo, its plugins loaded, and MOE_EP_SGLANG naming `backend`."""
+    get_context().override_server_args(tp_size=world, ep_size=world, moe_a2a_backend="deepep",
+                                       deepep_mode="low_latency", deepep_dispatcher_output_dtype="bf16").install()
+    initialize_moe_config()
+    group = GroupCoordinator([list(range(world))], rank, "gloo", False, False, False, False, False, False,
+                             group_name="moe_ep")
+    get_parallel().override_permanently(tp_group=group, tp_rank=rank, moe_ep_group=group, moe_ep_rank=rank)
+    os.environ[moe_ep_sglang.ENABLE_VARIABLE] = backend
+    os.environ["SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(MAX_TOKENS)
+    load_plugins()
+
+
+def runner_config(world, topk, hidden=HIDDEN, dtype=torch.float32, local=None, shared=0) -> MoeRunnerConfig:
+    local = EXPERTS // world if local is None else local
+    return MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=local, hidden_size=hidden,
+                           intermediate_size_per_partition=INTERMEDIATE, top_k=topk,
+                           num_fused_shared_experts=shared, params_dtype=dtype, activation="silu")
+
+
+def inputs(rank, tokens, topk, drop, hidden=HIDDEN, dtype=torch.float32, device="cpu"):
+    """Weights the same on every rank (w13 [E, 2I, H]: gate rows, then up; w2 [E, H, I]); this rank's
+    tokens, distinct expert ids per token (some -1 with drop), router weights."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(EXPERTS, hidden, INTERMEDIATE, generator=g) / INTERMEDIATE ** 0.5
+    g.manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.rand(tokens, EXPERTS, generator=g).argsort(dim=1)[:, :topk]
+    if drop:
+        ids[torch.rand(tokens, topk, generator=g) < 0.3] = -1
+    weights = torch.rand(tokens, topk, generator=g)
+    return [t.to(device, dtype) for t in (w13, w2, x)] + [ids.to(device), weights.to(device)]
+
+
+class Experts(torch.nn.Module):
+    """What fused_moe_forward_native reads of a FusedMoE layer: its weights and runner config."""
+
+    def __init__(self, w13, w2, config):
+        super().__init__()
+        self.w13_weight, self.w2_weight, self.moe_runner_config = w13, w2, config
+
+
+def standard_moe(rank, world, w13, w2, x, ids, weights):
+    """SGLang without expert parallelism: its factory's StandardDispatcher (no all-to-all backend, all
+    experts on this rank) around its torch-native MoE; a dropped slot weighs 0."""
+    config = runner_config(1, ids.shape[1], x.shape[1], x.dtype, local=EXPERTS)
+    kept = ids >= 0
+    topk_output = StandardTopKOutput(torch.where(kept, weights, 0), torch.where(kept, ids, 0), None)
+    with get_flags().moe.override(a2a_backend=MoeA2ABackend.NONE), \
+            get_parallel().override(moe_ep_size=1, moe_ep_rank=0, moe_ep_group=None, moe_tp_size=world,
+                                    moe_tp_rank=rank):
+        dispatcher = fused_moe_layer.create_moe_dispatcher(config, quant_method=None)
+        assert isinstance(dispatcher, StandardDispatcher)
+        dispatch_output = dispatcher.dispatch(hidden_states=x, topk_output=topk_output)
+        return dispatcher.combine(combine_input=fused_moe_forward_native(Experts(w13, w2, config), dispatch_output))
+
+
+def run_experts(dispatch_output, w13, w2, dtype):
+    """This rank's experts on the low-latency layout: silu(gate) * up, then down, on each expert's first
+    masked_m rows (moe_ep's plain-torch grouped GEMM), as SGLang's DeepGEMM runner computes them."""
+    x, scales, ids, weights, counts, _ = dispatch_output
+    h = grouped_gemm_reference(x, w13, counts, scales, moe_ep_sglang.FP8_BLOCK, "silu", out_dtype=dtype)
+    return DeepEPLLCombineInput(grouped_gemm_reference(h, w2, counts, out_dtype=dtype), ids, weights)
+
+
+def moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights):
+    """(y [T, H], the dispatch output) of one MoE layer through `dispatcher`."""
+    mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    out = dispatcher.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, None))
+    return dispatcher.combine(combine_input=run_experts(out, w13[mine], w2[mine], x.dtype)), out
+
+
+def _against_standard(rank, world, tokens_per_rank, topk, drop, make, dtype=torch.float32, hidden=HIDDEN,
+                      device="cpu", tolerance=1e-5):
+    w13, w2, x, ids, weights = inputs(rank, tokens_per_rank[rank], topk, drop, hidden, dtype, device)
+    dispatcher = make(runner_config(world, topk, hidden, dtype))
+    assert isinstance(dispatcher, moe_ep_sglang.MoeEpDispatcher)
+    y, out = moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights)
+    torch.testing.assert_close(y, standard_moe(rank, world, w13, w2, x, ids, weights), rtol=tolerance, atol=tolerance)
+
+    assert out.format == DispatchOutputFormat.DEEPEP_LL and out.hidden_states_scale is None
+    assert out.hidden_states.shape == (EXPERTS // world, world * MAX_TOKENS, hidden)
+    assert out.topk_ids is ids and out.topk_weights is weights
+    assert out.expected_m == (x.shape[0] * world * topk + EXPERTS) // EXPERTS          # DeepEP's hint
+    counts = torch.bincount(ids[ids >= 0].cpu(), minlength=EXPERTS).to(device)
+    dist.all_reduce(counts)
+    assert out.masked_m.tolist() == counts[rank * EXPERTS // world:(rank + 1) * EXPERTS // world].tolist()
+    assert make(runner_config(world, topk, hidden, dtype)).ep is dispatcher.ep      # a second layer shares it
+
+
+def _hooked_factory(config):
+    dispatcher = fused_moe_layer.create_moe_dispatcher(config, quant_method=None)
+    assert dispatcher.group is get_parallel().moe_ep_group.device_group
+    return dispatcher
+
+
+# Per world size, cases of (tokens per rank, top-k, dropped slots), run in one set of processes (each
+# imports SGLang once); at 2 ranks the other checks follow.
+CASES = {
+    1: [((5,), 2, False), ((1,), 1, True)],
+    2: [((6, 3), 2, True),
+        ((0, 4), 3, False),                           # zero tokens on a rank
+        ((1, 6), 1, True)],                           # one token
+    4: [((2, 0, 6, 5), 2, True)],
+}
+
+
+def _cases(rank, world):
+    publish(rank, world)
+    for tokens, topk, drop in CASES[world]:
+        _against_standard(rank, world, tokens, topk, drop, _hooked_factory)
+    if world == 2:
+        _sub_batches(rank, world)
+        _fp8_dispatch(rank, world)
+        _refusals(rank, world)
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_dispatcher_matches_sglang_standard_path(world):
+    run(_cases, world)
+
+
+def _sub_batches(rank, world):
+    """Two sub-batches in flight (two-batch overlap): both dispatch_a before either dispatch_b, combines
+    in the other order; each keeps its own handle. Halves out of order are refused."""
+    topk = 2
+    dispatcher = _hooked_factory(runner_config(world, topk))
+    mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    batches = [inputs(rank + 10 * b, 3 + b, topk, drop=b == 1) for b in range(2)]
+    for b, (w13, w2, x, ids, weights) in enumerate(batches):
+        dispatcher.dispatch_a(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, None), tbo_subbatch_index=b)
+    outputs = [dispatcher.dispatch_b(tbo_subbatch_index=b) for b in (1, 0)][::-1]
+    for b, (w13, w2, x, ids, weights) in enumerate(batches):
+        dispatcher.combine_a(combine_input=run_experts(outputs[b], w13[mine], w2[mine], x.dtype), tbo_subbatch_index=b)
+    for b in (1, 0):
+        w13, w2, x, ids, weights = batches[b]
+        y = dispatcher.combine_b(tbo_subbatch_index=b)
+        torch.testing.assert_close(y, standard_moe(rank, world, w13, w2, x, ids, weights), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dispatch_b on sub-batch 0 needs it dispatching, it is idle"):
+        dispatcher.dispatch_b()
+    w13, w2, x, ids, weights = batches[0]
+    out = dispatcher.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, None))
+    with pytest.raises(ValueError, match="topk_weights differ from those of its dispatch"):
+        dispatcher.combine(combine_input=run_experts(out, w13[mine], w2[mine], x.dtype)._replace(
+            topk_weights=weights.flip(0)))
+    dispatcher.combine(combine_input=run_experts(out, w13[mine], w2[mine], x.dtype))
+
+
+def _fp8_dispatch(rank, world):
+    """SGLang's default dispatch dtype ("auto": FP8) sends FP8 rows with fp32 scales per 128 columns; the
+    unquantized experts' method asks for bf16 (the layer's dtype) through set_quant_config."""
+    topk, hidden = 2, 128
+    w13, w2, x, ids, weights = inputs(rank, 5, topk, drop=True, hidden=hidden)
+    with get_exec().moe.override(deepep_dispatcher_output_dtype="auto"):
+        dispatcher = _hooked_factory(runner_config(world, topk, hidden))
+        y, out = moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights)
+        assert out.hidden_states.dtype == torch.float8_e4m3fn
+        assert out.hidden_states_scale.shape == (EXPERTS // world, world * MAX_TOKENS, hidden // 128)
+        assert out.hidden_states_scale.dtype == torch.float32
+        expected = standard_moe(rank, world, w13, w2, x, ids, weights)
+        assert (y - expected).norm() <= 0.05 * expected.norm()        # FP8 e4m3 rounding of the inputs
+        dispatcher.set_quant_config({"dispatcher_output_dtype": "bf16"})
+        y, out = moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights)
+        assert out.hidden_states.dtype == torch.float32 and out.hidden_states_scale is None
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def _refusals(rank, world):
+    config = runner_config(world, 2)
+    with get_flags().moe.override(deepep_mode=DeepEPMode.AUTO), \
+            pytest.raises(ValueError, match="--deepep-mode low_latency"):
+        _hooked_factory(config)
+    with get_flags().moe.override(sbo_enabled=True), pytest.raises(ValueError, match="single-batch overlap"):
+        _hooked_factory(config)
+    with pytest.raises(ValueError, match="--disable-shared-experts-fusion"):
+        _hooked_factory(runner_config(world, 2, shared=1))
+    with pytest.raises(ValueError, match="spread evenly over the 2 ranks"):
+        _hooked_factory(runner_config(world, 2, local=EXPERTS))
+    with pytest.raises(ValueError, match=r"topk must be an int in \[1, 16\]"):
+        _hooked_factory(runner_config(world, 17))
+    with get_exec().moe.override(deepep_dispatcher_output_dtype="auto"):       # SGLang's default: FP8
+        with pytest.raises(ValueError, match="hidden=32 is not a multiple of fp8_group=128"):
+            _hooked_factory(config)
+        with pytest.raises(ValueError, match="dispatch dtype is nvfp4"):
+            _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"dispatcher_output_dtype": "nvfp4"})
+        with pytest.raises(ValueError, match="MXFP8"):
+            _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"use_mxfp8": True})
+    dispatcher = _hooked_factory(config)
+    x = torch.randn(2, HIDDEN)
+    with pytest.raises(ValueError, match="StandardTopKOutput"):
+        dispatcher.dispatch(hidden_states=x, topk_output=(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64)))
+    os.environ[moe_ep_sglang.ENABLE_VARIABLE] = "deepep"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _hooked_factory(config)
+    os.environ[moe_ep_sglang.ENABLE_VARIABLE] = ""
+    with pytest.raises(ImportError, match="DeepEP is not available"):
+        fused_moe_layer.create_moe_dispatcher(config, quant_method=None)     # unset: SGLang's own DeepEP
+
+
+def test_plugin_entry_point():
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["sglang.srt.plugins"] == {"moe_ep": "moe_ep.integrations.sglang:register"}
+    assert set(moe_ep_sglang.PATCH_POINTS.values()) == {
+        f"{fused_moe_layer.__name__}.{fused_moe_layer.create_moe_dispatcher.__name__}"}
+
+
+def _nvshmem_against_standard(rank, world):
+    os.environ["SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(MAX_TOKENS)
+    get_context().override_server_args(tp_size=world, ep_size=world, moe_a2a_backend="deepep",
+                                       deepep_mode="low_latency", deepep_dispatcher_output_dtype="bf16").install()
+    initialize_moe_config()
+    _against_standard(rank, world, (6, 2), 2, True, lambda config: moe_ep_sglang.make_dispatcher(config),
+                      dtype=torch.bfloat16, hidden=128, device="cuda", tolerance=2e-2)
+
+
+@pytest.mark.gpu
+def test_nvshmem_dispatcher_matches_sglang_standard_path():
+    run(_nvshmem_against_standard, 2, gpu=True)
