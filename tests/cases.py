@@ -26,6 +26,22 @@ def make_inputs(rank, tokens, hidden, num_experts, topk, seed, dtype=torch.bfloa
     return x.to(device), ids.to(device), weights.to(device)
 
 
+def moe_layer_inputs(rank, tokens, topk, drop, experts, hidden, intermediate, dtype=torch.float32, device="cpu"):
+    """An engine MoE layer's inputs: weights the same on every rank (w13 [E, 2I, H]: gate rows, then up;
+    w2 [E, H, I]); this rank's tokens [T, H], distinct expert ids per token [T, K] (some -1 with drop),
+    router weights [T, K]."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=g) / intermediate ** 0.5
+    g.manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :topk]
+    if drop:
+        ids[torch.rand(tokens, topk, generator=g) < 0.3] = -1
+    weights = torch.rand(tokens, topk, generator=g)
+    return [t.to(device, dtype) for t in (w13, w2, x)] + [ids.to(device), weights.to(device)]
+
+
 def expert_fn(recv_x, recv_scales, group, dtype):
     """A toy expert: dequantize and scale each local expert e by (e + 1) / 2, in `dtype`."""
     rows = recv_x.float() if recv_scales is None else dequantize_fp8(recv_x, recv_scales, group)

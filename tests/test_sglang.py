@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cases import moe_layer_inputs
 from distributed import run
 
 pytest.importorskip("sglang.srt.layers.moe.token_dispatcher.deepep")
@@ -68,18 +69,7 @@ def runner_config(world, topk, hidden=HIDDEN, dtype=torch.float32, local=None, s
 
 
 def inputs(rank, tokens, topk, drop, hidden=HIDDEN, dtype=torch.float32, device="cpu"):
-    """Weights the same on every rank (w13 [E, 2I, H]: gate rows, then up; w2 [E, H, I]); this rank's
-    tokens, distinct expert ids per token (some -1 with drop), router weights."""
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, hidden, generator=g) / hidden ** 0.5
-    w2 = torch.randn(EXPERTS, hidden, INTERMEDIATE, generator=g) / INTERMEDIATE ** 0.5
-    g.manual_seed(100 + rank)
-    x = torch.randn(tokens, hidden, generator=g)
-    ids = torch.rand(tokens, EXPERTS, generator=g).argsort(dim=1)[:, :topk]
-    if drop:
-        ids[torch.rand(tokens, topk, generator=g) < 0.3] = -1
-    weights = torch.rand(tokens, topk, generator=g)
-    return [t.to(device, dtype) for t in (w13, w2, x)] + [ids.to(device), weights.to(device)]
+    return moe_layer_inputs(rank, tokens, topk, drop, EXPERTS, hidden, INTERMEDIATE, dtype, device)
 
 
 class Experts(torch.nn.Module):

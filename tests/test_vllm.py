@@ -18,6 +18,7 @@ import threading
 import pytest
 import torch
 
+from cases import moe_layer_inputs
 from distributed import run
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")       # vLLM's Python modules without its compiled extensions
@@ -52,17 +53,7 @@ def experts(config, quant, world):
 
 
 def inputs(rank, tokens, topk, drop, hidden=HIDDEN, dtype=torch.float32, device="cpu"):
-    """Weights the same on every rank; this rank's tokens, distinct expert ids per token (some -1 with drop)."""
-    g = torch.Generator().manual_seed(0)
-    w1 = torch.randn(EXPERTS, 2 * INTERMEDIATE, hidden, generator=g) / hidden ** 0.5
-    w2 = torch.randn(EXPERTS, hidden, INTERMEDIATE, generator=g) / INTERMEDIATE ** 0.5
-    g.manual_seed(100 + rank)
-    x = torch.randn(tokens, hidden, generator=g)
-    ids = torch.rand(tokens, EXPERTS, generator=g).argsort(dim=1)[:, :topk]
-    if drop:
-        ids[torch.rand(tokens, topk, generator=g) < 0.3] = -1
-    weights = torch.rand(tokens, topk, generator=g)
-    return [t.to(device, dtype) for t in (w1, w2, x)] + [ids.to(device), weights.to(device)]
+    return moe_layer_inputs(rank, tokens, topk, drop, EXPERTS, hidden, INTERMEDIATE, dtype, device)
 
 
 def reference_kernel(topk, hidden=HIDDEN, dtype=torch.float32, device="cpu"):
