@@ -11,7 +11,6 @@ import torch
 import triton
 
 from .ep_protocol import SLOTS, EPConfig, EPProtocol
-from .kernels.all_to_all import KERNELS
 from .kernels import all_to_all as kernels
 from .shmem import INTERPRETING
 
@@ -62,11 +61,9 @@ class CombineBuffers:
     out: torch.Tensor          # [S, T, H] dtype, local: combine's results (y is a view unless out= is given)
 
 
-def dispatch_buffers(config: EPConfig, symmetric_zeros, local, cls=DispatchBuffers, symmetric=kernels.DISPATCH_PEERS,
-                     changes=None):
-    """`cls` (DispatchBuffers or a subclass) for `config`: the buffers named in `symmetric` from
-    symmetric_zeros(shape, dtype), the others from local(shape, dtype); `changes` maps a field to its
-    (shape, dtype) where a subclass adds or reshapes one."""
+def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffers:
+    """DispatchBuffers for `config`: the peer-table rows (kernels.DISPATCH_PEERS) from
+    symmetric_zeros(shape, dtype), the others from local(shape, dtype)."""
     S, W, T, H, K, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
                             config.experts_per_rank, config.groups)
     shapes = {
@@ -78,10 +75,10 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local, cls=DispatchBuffe
     f32, i64 = torch.float32, torch.int64
     dtypes = {"data": config.payload_dtype, "scales": f32, "weights": f32, "arrived": i64, "freed": i64,
               "recv_x": config.payload_dtype, "recv_scales": f32, "kept_weights": f32}
-    for name, (shape, dtype) in (changes or {}).items():
-        shapes[name], dtypes[name] = shape, dtype
-    return cls(**{f.name: (symmetric_zeros if f.name in symmetric else local)(shapes[f.name], dtypes.get(f.name, torch.int32))
-                  for f in fields(cls)})
+    return DispatchBuffers(**{
+        f.name: (symmetric_zeros if f.name in kernels.DISPATCH_PEERS else local)(shapes[f.name],
+                                                                                 dtypes.get(f.name, torch.int32))
+        for f in fields(DispatchBuffers)})
 
 
 def layout_tile(config: EPConfig) -> tuple[int, int]:

@@ -69,10 +69,10 @@ class EPProtocol:
     name = ""
 
     def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int]) -> None:
-        """Program state, all int64: per kernel of `grid` (name -> programs), every program's clock word for
-        the bounded waits [grid] and the programs finished per slot [SLOTS]; per phase (a row of
-        kernels.all_to_all.KERNELS; the kernels of a phase share it) the uses of each slot [SLOTS]; timing
-        stamps [4, 4] (STAMPS; reset to "none yet" before a timed call)."""
+        """Program state, all int64: per kernel of `grid` (name -> programs; the names of
+        kernels.all_to_all.KERNELS), every program's clock word for the bounded waits [grid], the programs
+        finished per slot [SLOTS] and the uses of each slot [SLOTS]; timing stamps [4, 4] (STAMPS; reset
+        to "none yet" before a timed call)."""
         self.config, self.device, self.status, self.grid = config, device, status, grid
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
         self.finished = {name: self.local((SLOTS,), torch.int64) for name in grid}
@@ -105,12 +105,10 @@ class EPProtocol:
                     WORLD_PAD=triton.next_power_of_2(c.world), TIMING=c.timing)
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:
-        """Kernel `name` (a key of `grid`) bound for `slot` with its program state; a kernel of one phase (a
-        row of KERNELS) also with that phase's use counts and stamps."""
-        if name in KERNELS:
-            arguments.update(uses_ptr=self.uses[name], stamps_ptr=self.stamps[KERNELS.index(name)])
+        """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps."""
         return BoundKernel(fn, self.grid[name], varying, slot=slot, clock_ptr=self.clocks[name],
-                           finished_ptr=self.finished[name], **self.common_arguments(), **arguments)
+                           finished_ptr=self.finished[name], uses_ptr=self.uses[name],
+                           stamps_ptr=self.stamps[KERNELS.index(name)], **self.common_arguments(), **arguments)
 
     def publish(self, dispatch_peers, combine_peers) -> None:
         """`symmetric` (what destroy() frees) from the peer-table names, and dispatch's outputs per slot
