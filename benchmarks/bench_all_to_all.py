@@ -20,8 +20,9 @@ and, in the same process, eager:
 Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
 destination rank) over the graph time. `--breakdown` reruns the decode settings with device
 timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32 to 2048
-tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out. `--host-only` needs no GPU: it prints the front's host time per call on a
-simulated one-process world (EPAllToAll.simulated), launches left out.
+tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out.
+`--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
+world (EPAllToAll.simulated), launches left out.
 """
 import json
 import os
@@ -230,7 +231,6 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
         recv_count = ours.dispatch(x, ids, weights)[2]
         assert torch.equal(recv_count, nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)[2]), \
             "the NCCL baseline routes differently"
-    if full:
         out["dispatch_eager_us"] = eager_median(dispatch, iters)
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_eager_us"] = eager_median(combine, iters)

@@ -86,7 +86,7 @@ class EPAllToAll(runtime.CommObject):
         if sms is None:
             return
         self._allocate(runtime.symmetric_zeros, sms)
-        self._connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
+        self.protocol.connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
     @classmethod
@@ -107,7 +107,7 @@ class EPAllToAll(runtime.CommObject):
             ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=num_sms)
             ranks.append(ep)
         for ep in ranks:
-            ep._connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
+            ep.protocol.connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
         return ranks
 
     # ------------------------------------------------------------------------------------ setup
@@ -140,11 +140,6 @@ class EPAllToAll(runtime.CommObject):
         sms = min(sms, self.num_sms or sms)
         self.protocol = LowLatency(self.config, symmetric_zeros, self.device, self._status, sms)
         self._symmetric = self.protocol.symmetric
-
-    def _connect(self, peer_addresses) -> None:
-        """Peer tables and bound kernels; peer_addresses(name, buffer) -> every rank's address of the symmetric
-        buffer `name` (a key of self._symmetric; None: unreachable)."""
-        self.protocol.connect(peer_addresses)
 
     # ------------------------------------------------------------------------------------ checks
 

@@ -8,9 +8,10 @@ micro-batch handles; apply_router_weight_on_input; zero tokens on a rank; droppe
 The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides.
 
 GPU (marked gpu): the same comparison with the nvshmem backend and the grouped-GEMM kernels at 2 ranks.
-The GPU machine has no vLLM: the ignored folder .engines/ holds vLLM's Python sources and the
-pure-Python packages they import there; run with
-``tar -xzf .engines/vllm-0.33.0-py.tar.gz -C .engines && PYTHONPATH=$PWD/.engines/site:$PWD pytest tests/test_vllm.py -m gpu``.
+Where vLLM is installed as .ci/run installs it, ``pytest tests/test_vllm.py -m gpu``. A GPU machine without
+a package index takes the same files as a folder on PYTHONPATH: every Python file of the vllm 0.33.0
+wheel (its compiled extensions are not needed) and, for that machine's Python, the packages .ci/run
+adds; then ``PYTHONPATH=FOLDER:$PWD pytest tests/test_vllm.py -m gpu``.
 """
 import os
 import threading

@@ -18,10 +18,10 @@ kernels; without them the reference backend on gloo.
 
 Serving a model:
 
-* vLLM 0.33.0: ``pip install "moe-ep[vllm]"``, then
+* vLLM 0.33.0: ``pip install -e ".[vllm]"`` (from the checkout), then
   ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend moe_ep``.
   The package's ``vllm.general_plugins`` entry point adds the backend name in every vLLM process.
-* SGLang 0.5.23: ``pip install "moe-ep[sglang]"``, then ``MOE_EP_SGLANG=nvshmem python -m
+* SGLang 0.5.23: ``pip install -e ".[sglang]"``, then ``MOE_EP_SGLANG=nvshmem python -m
   sglang.launch_server --model-path MODEL --tp N --ep N --moe-a2a-backend deepep --deepep-mode low_latency``.
   The package's ``sglang.srt.plugins`` entry point hooks SGLang's dispatcher factory: the MoE layers that
   would get DeepEP's low-latency dispatcher get ``moe_ep.integrations.sglang.MoeEpDispatcher``, whose
@@ -61,7 +61,7 @@ def main():
 
         from moe_ep.integrations import vllm as moe_ep_vllm
     except ImportError as error:
-        print(f"vLLM is not installed ({error}); pip install 'moe-ep[vllm]' to run this tutorial: skipped")
+        print(f"vLLM is not installed ({error}); pip install -e '.[vllm]' to run this tutorial: skipped")
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = "nvshmem" if device.type == "cuda" else "reference"

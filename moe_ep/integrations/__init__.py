@@ -5,11 +5,12 @@
     sglang         a token dispatcher over EPAllToAll for SGLang's MoE layers, and its plugin
 
 ``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
-``all_to_all``: the EPAllToAll of one layer shape, made once per process.
+``all_to_all``, the EPAllToAll of one layer shape, made once per process, and ``check_local_experts``.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..ep import EPAllToAll
 
@@ -27,3 +28,13 @@ def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype:
         _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
                                        fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend)
     return _ALL_TO_ALLS[key]
+
+
+def check_local_experts(num_experts: int, num_local_experts: int, group=None) -> int:
+    """The world size of `group`; ValueError unless a layer of `num_experts` holding `num_local_experts` on
+    this rank spreads them evenly over it (rank r holds [r * E_loc, (r + 1) * E_loc), EPAllToAll's layout)."""
+    world = dist.get_world_size(group)
+    if num_local_experts * world != num_experts:
+        raise ValueError(f"moe_ep needs the {num_experts} experts spread evenly over the {world} ranks of "
+                         f"the group, this layer holds {num_local_experts}")
+    return world

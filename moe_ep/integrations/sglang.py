@@ -5,7 +5,7 @@
     combine_input = run_experts(dispatch_output)       # SGLang's MoE runner, DeepEP low-latency format
     y = dispatcher.combine(combine_input=combine_input)
 
-or, serving a model: ``pip install "moe-ep[sglang]"``, then
+or, serving a model: ``pip install -e ".[sglang]"`` (from the checkout), then
 ``MOE_EP_SGLANG=nvshmem python -m sglang.launch_server --model-path MODEL --tp N --ep N --moe-a2a-backend
 deepep --deepep-mode low_latency``. The ``sglang.srt.plugins`` entry point runs ``register()`` in every
 SGLang process; it hooks SGLang's dispatcher factory (PATCH_POINTS) so that, with MOE_EP_SGLANG set to
@@ -37,7 +37,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.layers import deep_gemm_wrapper
@@ -50,7 +49,7 @@ from sglang.srt.layers.moe.utils import (DeepEPMode, DispatcherOutputDtype, get_
 from sglang.srt.runtime_context import get_parallel
 
 from ..ep import EPAllToAll, check_config
-from . import FP8_BLOCK, all_to_all
+from . import FP8_BLOCK, all_to_all, check_local_experts
 
 SGLANG_VERSION = "0.5.23"
 ENABLE_VARIABLE = "MOE_EP_SGLANG"  # an EPAllToAll backend: DeepEP's dispatchers become MoeEpDispatchers on it
@@ -101,10 +100,7 @@ class MoeEpDispatcher(BaseDispatcher):
                  backend: str = "nvshmem"):
         super().__init__()
         self.runner_backend = runner_backend
-        self.world = dist.get_world_size(group)
-        if num_local_experts * self.world != num_experts:
-            raise ValueError(f"moe_ep needs the {num_experts} experts spread evenly over the {self.world} ranks of "
-                             f"the group, this layer holds {num_local_experts}")
+        self.world = check_local_experts(num_experts, num_local_experts, group)
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden_size, num_experts, top_k
         self.dtype, self.group, self.backend = params_dtype, group, backend
         self.fp8 = self._dispatch_fp8()

@@ -4,7 +4,7 @@
     kernel = FusedMoEKernel(prepare_finalize, GroupedGemmExperts(moe_config, quant_config, ...))
     out = kernel.apply(hidden_states, w13, w2, topk_weights, topk_ids, ...)
 
-or, serving a model: ``pip install moe-ep[vllm]`` and ``vllm serve MODEL --enable-expert-parallel
+or, serving a model: ``pip install -e ".[vllm]"`` (from the checkout) and ``vllm serve MODEL --enable-expert-parallel
 --data-parallel-size N --all2all-backend moe_ep``: the ``vllm.general_plugins`` entry point runs
 ``register()`` in every vLLM process.
 
@@ -28,7 +28,6 @@ import importlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
@@ -37,7 +36,7 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
-from . import FP8_BLOCK, all_to_all
+from . import FP8_BLOCK, all_to_all, check_local_experts
 
 VLLM_VERSION = "0.33.0"
 BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
@@ -79,10 +78,7 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
     if placement != "linear":
         raise ValueError(f"moe_ep supports the linear expert placement only, got {placement!r} "
                          "(--expert-placement-strategy linear)")
-    world = dist.get_world_size(group)
-    if moe.num_local_experts * world != moe.num_experts:
-        raise ValueError(f"moe_ep needs the {moe.num_experts} experts spread evenly over the {world} ranks of "
-                         f"the group, this layer holds {moe.num_local_experts}")
+    check_local_experts(moe.num_experts, moe.num_local_experts, group)
     ep = all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token, moe.in_dtype,
                     wants_fp8_dispatch(quant_config), group, backend)
     return MoeEpPrepareAndFinalize(ep)

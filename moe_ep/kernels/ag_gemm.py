@@ -18,7 +18,7 @@ from ..shmem import wait_until_ge
 from .matmul import matmul_tile, matmul_tile_tma, tile_coords
 
 TAG_SHARD = tl.constexpr(5)
-TAGS = {5: "all-gather GEMM (waiting for a peer's shard)"}
+TAGS = {TAG_SHARD.value: "all-gather GEMM (waiting for a peer's shard)"}
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "programs"])

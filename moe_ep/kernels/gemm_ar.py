@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import signal_add
-from .gemm_rs import sum_peer_tiles
-from .matmul import gemm_tile, tile_coords
+from .matmul import gemm_tile, sum_peer_tiles, tile_coords
 
 TAG_TILE = tl.constexpr(7)
 TAGS = {TAG_TILE.value: "GEMM all-reduce (waiting for a peer's partials)"}

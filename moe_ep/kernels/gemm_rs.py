@@ -24,31 +24,11 @@ its order of summation is NCCL's).
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add, wait_until_ge
-from .matmul import gemm_tile, tile_coords
+from ..shmem import signal_add
+from .matmul import gemm_tile, sum_peer_tiles, tile_coords
 
 TAG_TILE = tl.constexpr(6)
 TAGS = {TAG_TILE.value: "GEMM reduce-scatter (waiting for a peer's partials)"}
-
-
-@triton.jit
-def sum_peer_tiles(total, partials, slab, offsets, mask, flags, tiles, t, rank, world, timeout_ns, status,
-                   state, failed, TAG: tl.constexpr, WITH_OWN: tl.constexpr):
-    """total [BLOCK_M, BLOCK_N] fp32 + the same tile of every rank's slot of `partials`, in rank order,
-    each peer's once its flag has landed; the own slot too when WITH_OWN (it is in `partials` then).
-
-    partials [world, slab] (this rank's symmetric copy; `offsets`/`mask` pick the tile in a slab);
-    flags [world, tiles] int64, flag (src, t) is 1 once rank src's tile t has landed. `failed` is 1
-    once a wait of this program has timed out: later waits are skipped, as the status already holds
-    the error. Returns (total, failed). Used by GEMM reduce-scatter and GEMM all-reduce."""
-    for src in range(0, world):
-        if src != rank:
-            if failed == 0:
-                landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG, state)
-                failed = tl.where(landed, 0, 1)
-        if WITH_OWN or src != rank:
-            total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
-    return total, failed
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])

@@ -1,6 +1,7 @@
 """What the async-TP GEMMs (``ag_gemm``, ``gemm_rs``, ``gemm_ar``) share: the tile loop, the tile
-order inside a shard, the tile shapes, and the arrival flags (the per-call reset, and a bounded
-wait that a stream can be held on between two cuBLAS calls). ``matmul`` is their GEMM alone, with
+order inside a shard, the tile shapes, and the arrival flags (the per-call reset, a bounded wait
+that a stream can be held on between two cuBLAS calls, and ``sum_peer_tiles``, the reduce-scatter's
+and all-reduce's sum of the peers' tiles as their flags land). ``matmul`` is their GEMM alone, with
 no communication: what benchmarks/bench_gemm.py and bench_tp.py hold against cuBLAS (the fused
 paths can only win where it comes close).
 
@@ -140,8 +141,8 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
     """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank).
 
     128 x 256 x 64 bf16 tiles with 8 warps (two warpgroups of wgmma, 128 fp32 accumulator registers
-    a thread) and 3 stages: 3 x 48 KB of operands plus the 64 KB output tile of a TMA store fit
-    Hopper's 227 KB of shared memory, a fourth stage does not."""
+    a thread) and 3 stages of 48 KB of operands; 4 stages (192 KB) also fit Hopper's 227 KB, and
+    stay a variant (tma_s4) until benchmarks/bench_gemm.py shows they pay."""
     block_m = 128 if rows > 64 else 64
     block_n = 256 if n >= 2048 and element_size == 2 else 128
     block_k = 64 if element_size == 2 else 32
@@ -236,3 +237,23 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
                            stride_wn=w.stride(1), programs=grid, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors,
                            **{**config, **options})
     return out
+
+
+@triton.jit
+def sum_peer_tiles(total, partials, slab, offsets, mask, flags, tiles, t, rank, world, timeout_ns, status,
+                   state, failed, TAG: tl.constexpr, WITH_OWN: tl.constexpr):
+    """total [BLOCK_M, BLOCK_N] fp32 + the same tile of every rank's slot of `partials`, in rank order,
+    each peer's once its flag has landed; the own slot too when WITH_OWN (it is in `partials` then).
+
+    partials [world, slab] (this rank's symmetric copy; `offsets`/`mask` pick the tile in a slab);
+    flags [world, tiles] int64, flag (src, t) is 1 once rank src's tile t has landed. `failed` is 1
+    once a wait of this program has timed out: later waits are skipped, as the status already holds
+    the error. Returns (total, failed). Used by GEMM reduce-scatter and GEMM all-reduce."""
+    for src in range(0, world):
+        if src != rank:
+            if failed == 0:
+                landed = wait_until_ge(flags + src * tiles + t, 1, timeout_ns, status, src, TAG, state)
+                failed = tl.where(landed, 0, 1)
+        if WITH_OWN or src != rank:
+            total += tl.load(partials + src * slab + offsets, mask=mask, other=0.0).to(tl.float32)
+    return total, failed
