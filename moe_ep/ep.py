@@ -85,7 +85,7 @@ class EPAllToAll(runtime.CommObject):
         sms = self._open(group, backend)
         if sms is None:
             return
-        self._allocate(runtime.symmetric_zeros, sms)
+        self._allocate(runtime.symmetric_zeros, sms, one_launch=runtime.ranks_per_gpu() == 1)
         self.protocol.connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
@@ -104,7 +104,7 @@ class EPAllToAll(runtime.CommObject):
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
                           "nvshmem", timeout_s, validate, timing, num_sms)
             ep.group, ep.device = None, torch.device("cpu")
-            ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=num_sms)
+            ep._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), sms=num_sms, one_launch=True)
             ranks.append(ep)
         for ep in ranks:
             ep.protocol.connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
@@ -130,15 +130,17 @@ class EPAllToAll(runtime.CommObject):
         self._symmetric: dict[str, torch.Tensor] = {}
         self._broken: str | None = None
 
-    def _allocate(self, symmetric_zeros, sms: int) -> None:
+    def _allocate(self, symmetric_zeros, sms: int, one_launch: bool) -> None:
         """The status words and the protocol with its buffers: symmetric ones from
         `symmetric_zeros(shape, dtype)`, local ones on self.device; grids bounded by `sms` (the same on
-        every rank), or by num_sms if fewer."""
+        every rank), or by num_sms if fewer. `one_launch`: calls without a receive hook may run both
+        phases in one launch (not with several ranks on a GPU: see kernels.all_to_all)."""
         self._status = torch.zeros(kernels.EP_STATUS_WORDS, dtype=torch.int32,
                                    pin_memory=self.device.type == "cuda")
         self._status_words = self._status.numpy()        # read by the host without a sync: pinned, written by kernels
         sms = min(sms, self.num_sms or sms)
         self.protocol = LowLatency(self.config, symmetric_zeros, self.device, self._status, sms)
+        self.protocol.one_launch = one_launch
         self._symmetric = self.protocol.symmetric
 
     # ------------------------------------------------------------------------------------ checks

@@ -14,10 +14,17 @@ from .ep_protocol import SLOTS, EPConfig, EPProtocol
 from .kernels import all_to_all as kernels
 from .shmem import INTERPRETING
 
-# Programs (of 4 warps) per SM: as many as the registers allow (ptxas for sm_90: dispatch_send needs 96
-# per thread, so 5 fit; the others 38-48, so 8 fit with room), so that the grid-stride loops keep enough
-# rows in flight to cover HBM and NVLink latency.
-PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8}
+# Programs (of 4 warps) per SM, at most: enough for the grid-stride loops to keep rows in flight against HBM
+# and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the
+# one-launch kernels' programs wait for each other, so their grids are cut to what the compiled kernel's
+# registers let the SMs hold at once (launcher.resident_programs; ptxas for sm_90 at H = 7168, top-8, 64
+# tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 80, 6).
+PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
+                   "dispatch": 8, "combine": 8}
+# Eager dispatches of up to this many tokens run in one launch: on one H200 (H = 7168, top-8) it saved about
+# 10 us of host time a call and took the same GPU time up to 512 tokens, but 358 us against 291 us for the two
+# kernels at 4096 (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
+ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
@@ -91,6 +98,7 @@ class LowLatency(EPProtocol):
     """The low-latency protocol of one EPAllToAll: its buffers, grids and bound kernels."""
 
     name = "low_latency"
+    one_launch_tokens = ONE_LAUNCH_TOKENS
 
     def __init__(self, config: EPConfig, symmetric_zeros, device: torch.device, status: torch.Tensor, sms: int):
         """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on `device`. Grids are
@@ -102,9 +110,13 @@ class LowLatency(EPProtocol):
         combine_chunks = triton.cdiv(H, COMBINE_COLUMNS)
         work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks, "combine_send": W * T * combine_chunks,
                 "combine_recv": T * combine_chunks}
+        work["dispatch"] = max(layout, work["dispatch_recv"])
+        work["combine"] = work["combine_send"]
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
         grid["dispatch_send"] += layout
-        self._start(config, device, status, grid)
+        if INTERPRETING:            # one program at a time: a second one could never be waited for
+            grid["dispatch"] = grid["combine"] = 1
+        self._start(config, device, status, grid, sms)
         self.dispatch_buffers = dispatch_buffers(config, symmetric_zeros, self.local)
         self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
                                               arrived=symmetric_zeros((S, W), torch.int64),
@@ -145,3 +157,18 @@ class LowLatency(EPProtocol):
             "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
             data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4,
             **early) for s in range(SLOTS)]
+        self._dispatch = [self.bind(
+            "dispatch", kernels.dispatch_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            peers=dispatch_peers, freed_ptr=d.freed, data_ptr=d.data, scale_ptr=d.scales, staged_ids_ptr=d.ids,
+            staged_w_ptr=d.weights, pos_ptr=d.positions, count_ptr=d.counts, tokens_ptr=d.tokens,
+            arrived_ptr=d.arrived, recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s],
+            recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s],
+            kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s],
+            num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts, BLOCK_I=self.layout_ids,
+            VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
+        self._combine = {(s, ds): self.bind(
+            "combine", kernels.combine_kernel, s, ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
+            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
+            kept_tokens_ptr=d.kept_tokens[ds], data_ptr=cb.data, arrived_ptr=cb.arrived, freed_ptr=cb.freed,
+            peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4, enable_fp_fusion=False)
+            for s in range(SLOTS) for ds in range(SLOTS)}

@@ -10,7 +10,7 @@ front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
     dispatch_recv(slot)                                    # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)          # weighted sums back to their sources
     combine_recv(slot, out, topk_ids, num_tokens)          # adds them up into out [T, H]
-    dispatch(...), combine(...)                            # both phases, for calls without a receive hook
+    dispatch(...), combine(...)                            # both phases in one launch: calls without a hook
 
 The front has checked every argument; a protocol trusts them. A new protocol is a new pair of
 files beside these.
@@ -62,21 +62,26 @@ class EPProtocol:
 
     Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot)
     in ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy()
-    frees, and `outputs`, dispatch's results per slot), and bind `_dispatch_send`, `_dispatch_recv` (per
-    slot), `_combine_send` (per slot and dispatch slot) and `_combine_recv` (per slot) in ``connect``.
+    frees, and `outputs`, dispatch's results per slot), and bind in ``connect`` the launches of each phase:
+    `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and dispatch slot),
+    `_combine_recv` (per slot), and of both phases at once: `_dispatch` (per slot), `_combine` (per slot
+    and dispatch slot).
     """
 
     name = ""
 
-    def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int]) -> None:
-        """Program state, all int64: per kernel of `grid` (name -> programs; the names of
-        kernels.all_to_all.KERNELS), every program's clock word for the bounded waits [grid], the programs
-        finished per slot [SLOTS] and the uses of each slot [SLOTS]; timing stamps [4, 4] (STAMPS; reset
-        to "none yet" before a timed call)."""
-        self.config, self.device, self.status, self.grid = config, device, status, grid
+    def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int],
+               sms: int) -> None:
+        """Program state, all int64: per kernel of `grid` (name -> programs: the names of
+        kernels.all_to_all.KERNELS, and "dispatch" and "combine" for the one-launch kernels), every
+        program's clock word for the bounded waits [grid]; per phase (a row per name of KERNELS), the
+        programs finished per slot and the uses of each slot [4, SLOTS] and timing stamps [4, 4] (STAMPS;
+        reset to "none yet" before a timed call). A one-launch kernel keeps both its phases' rows. `sms`:
+        the SMs a grid may fill."""
+        self.config, self.device, self.status, self.grid, self.sms = config, device, status, grid, sms
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
-        self.finished = {name: self.local((SLOTS,), torch.int64) for name in grid}
-        self.uses = {name: self.local((SLOTS,), torch.int64) for name in KERNELS}
+        self.finished = self.local((len(KERNELS), SLOTS), torch.int64)
+        self.uses = self.local((len(KERNELS), SLOTS), torch.int64)
         self.stamps = self.local((len(KERNELS), len(STAMPS)), torch.int64)
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
@@ -105,10 +110,15 @@ class EPProtocol:
                     WORLD_PAD=triton.next_power_of_2(c.world), TIMING=c.timing)
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:
-        """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps."""
-        return BoundKernel(fn, self.grid[name], varying, slot=slot, clock_ptr=self.clocks[name],
-                           finished_ptr=self.finished[name], uses_ptr=self.uses[name],
-                           stamps_ptr=self.stamps[KERNELS.index(name)], **self.common_arguments(), **arguments)
+        """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps:
+        those of its phase, or for a one-launch kernel ("dispatch", "combine") its two phases' rows, the
+        send row first (the kernel reaches the receive row by its offset), and a grid that fits on the
+        SMs at once: its programs wait for each other between the phases."""
+        one_launch = name not in KERNELS
+        row = KERNELS.index(f"{name}_send" if one_launch else name)
+        return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if one_launch else None, slot=slot,
+                           clock_ptr=self.clocks[name], finished_ptr=self.finished[row], uses_ptr=self.uses[row],
+                           stamps_ptr=self.stamps[row], **self.common_arguments(), **arguments)
 
     def publish(self, dispatch_peers, combine_peers) -> None:
         """`symmetric` (what destroy() frees) from the peer-table names, and dispatch's outputs per slot
@@ -129,15 +139,27 @@ class EPProtocol:
 
     # --------------------------------------------------------------------- launches (bound in connect)
 
+    one_launch = True          # calls without a receive hook may run both phases in one launch,
+    one_launch_tokens = 0      # dispatches of at most this many tokens (set by the subclass)
+
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
-        """Both phases of a dispatch, for a call without a receive hook."""
-        self.dispatch_send(slot, x, topk_ids, topk_weights, call)
-        self.dispatch_recv(slot)
+        """Both phases of a dispatch, for a call without a receive hook: in one launch up to
+        `one_launch_tokens` tokens, above that (or without `one_launch`) as the send and the receive kernel."""
+        if not self.one_launch or x.shape[0] > self.one_launch_tokens:
+            self.dispatch_send(slot, x, topk_ids, topk_weights, call)
+            self.dispatch_recv(slot)
+            return
+        self.reset_stamps("dispatch")
+        self._dispatch[slot](x, topk_ids, topk_weights, x.shape[0], call)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
-        """Both phases of a combine, for a call without a receive hook."""
-        self.combine_send(slot, dispatch_slot, expert_out)
-        self.combine_recv(slot, out, topk_ids, num_tokens)
+        """Both phases of a combine, for a call without a receive hook: in one launch with `one_launch`."""
+        if not self.one_launch:
+            self.combine_send(slot, dispatch_slot, expert_out)
+            self.combine_recv(slot, out, topk_ids, num_tokens)
+            return
+        self.reset_stamps("combine")
+        self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
         self.reset_stamps("dispatch")

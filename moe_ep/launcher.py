@@ -10,8 +10,8 @@ afterwards builds only the argument list, tensors as their addresses:
 
     send = BoundKernel(dispatch_send_kernel, grid=264, varying=("x_ptr", "num_tokens"),
                        peers=table, timeout_ns=10**10, FP8=True, num_warps=4)
-    send(x, x.shape[0])           # first call per specialization: the usual path (compiles)
-    send(x2, x2.shape[0])         # later calls: the compiled launcher, on the current stream
+    send(x, x.shape[0])           # first call per specialization: compiles (or finds) the kernel, then
+    send(x2, x2.shape[0])         # like every later call, the compiled launcher, on the current stream
 
 Under the Triton interpreter every call takes the usual path.
 """
@@ -34,14 +34,30 @@ def _address(value):
     return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
 
+def resident_programs(compiled, device) -> int:
+    """Programs of a compiled kernel that one SM of `device` holds at once: the least of what its
+    registers (allocated per warp, in units of 256), shared memory, threads and the block limit allow."""
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    warp_registers = -(-compiled.n_regs * 32 // 256) * 256
+    by_registers = getattr(props, "regs_per_multiprocessor", 65536) // warp_registers // warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    shared = compiled.metadata.shared
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024) if shared else 32
+    return min(by_registers, by_threads, by_shared, 32)
+
+
 class BoundKernel:
     """`fn` with its 1-D grid, compile options and every argument but `varying` bound once.
 
-    Call it with the values of `varying` (tensors or ints), positionally, in that order.
+    Call it with the values of `varying` (tensors or ints), positionally, in that order. With
+    `resident_on` SMs given, the grid is cut when the kernel is compiled to what that many SMs hold
+    at once (``resident_programs``), for kernels whose programs wait for each other.
     """
 
-    def __init__(self, fn: triton.JITFunction, grid: int, varying: Sequence[str], **arguments):
-        self.fn, self.grid, self.varying = fn, grid, tuple(varying)
+    def __init__(self, fn: triton.JITFunction, grid: int, varying: Sequence[str], resident_on: int | None = None,
+                 **arguments):
+        self.fn, self.grid, self.varying, self.resident_on = fn, grid, tuple(varying), resident_on
         self.options = {k: arguments.pop(k) for k in OPTIONS if k in arguments}
         self.fixed = arguments
         names = list(fn.arg_names)
@@ -51,28 +67,40 @@ class BoundKernel:
             raise TypeError(f"{fn.__name__}: unknown arguments {sorted(unknown)}, missing {sorted(missing)}")
         self._template = [_address(arguments.get(name)) for name in names]   # self.fixed keeps the tensors alive
         self._positions = [names.index(name) for name in self.varying]
-        self._compiled = {}
+        self._compiled = {}        # specialization key -> (compiled kernel, grid)
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def __call__(self, *values) -> None:
-        if not INTERPRETING:
-            args, key = self._template.copy(), []
-            for position, value in zip(self._positions, values):
-                if isinstance(value, torch.Tensor):
-                    address = value.data_ptr()
-                    key.append((value.dtype, address % 16 == 0))
-                    args[position] = address
-                else:
-                    key.append((value == 1, value % 16 == 0))
-                    args[position] = value
-            compiled = self._compiled.get(tuple(key))
-            if compiled is not None:
-                stream = torch._C._cuda_getCurrentRawStream(self._device)
-                metadata = (compiled.launch_metadata((self.grid, 1, 1), stream, *args)
-                            if knobs.runtime.launch_enter_hook is not None else None)
-                compiled.run(self.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                             knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
-                return
-        kernel = self.fn[(self.grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
-        if not INTERPRETING:
-            self._compiled[tuple(key)] = kernel
+        if INTERPRETING:
+            self.fn[(self.grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
+            return
+        args, key = self._template.copy(), []
+        for position, value in zip(self._positions, values):
+            if isinstance(value, torch.Tensor):
+                address = value.data_ptr()
+                key.append((value.dtype, address % 16 == 0))
+                args[position] = address
+            else:
+                key.append((value == 1, value % 16 == 0))
+                args[position] = value
+        found = self._compiled.get(tuple(key))
+        if found is None:
+            found = self._compiled[tuple(key)] = self._compile(dict(zip(self.varying, values)))
+        compiled, grid = found
+        stream = torch._C._cuda_getCurrentRawStream(self._device)
+        metadata = (compiled.launch_metadata((grid, 1, 1), stream, *args)
+                    if knobs.runtime.launch_enter_hook is not None else None)
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+
+    def _compile(self, arguments: dict):
+        """The compiled kernel for these values of `varying` (compiling it if new), loaded, and its grid."""
+        compiled = self.fn.warmup(**self.fixed, **arguments, **self.options, grid=(self.grid,))
+        compiled._init_handles()
+        if self.resident_on is None:
+            return compiled, self.grid
+        per_sm = resident_programs(compiled, self._device)
+        if per_sm < 1:
+            raise RuntimeError(f"{self.fn.__name__} does not fit on an SM ({compiled.n_regs} registers a thread, "
+                               f"{compiled.metadata.shared} bytes of shared memory)")
+        return compiled, min(self.grid, per_sm * self.resident_on)

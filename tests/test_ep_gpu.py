@@ -77,6 +77,7 @@ def test_dispatch_combine_sweep(part, world):
 
 def _back_to_back(rank, world, calls):
     ep = EPAllToAll(64, 2048, 64, 8, validate=False)
+    ep.protocol.one_launch_tokens = 32        # dispatches of more tokens take two launches: ranks mix both kinds
     g = torch.Generator().manual_seed(rank)
     rng = random.Random(5)
     for call in range(calls):
@@ -194,7 +195,10 @@ def _never_synchronizes(rank, world):
     ep = EPAllToAll(32, 2048, 64, 8, validate=True)
     inputs = make_inputs(rank, [32] * world, 2048, 64, 8, seed=4, device="cuda")
     expert_out = torch.randn(ep.experts_per_rank, world * 32, 2048, device="cuda", dtype=torch.bfloat16)
-    check_call(ep, *inputs)                              # compiles every kernel first
+    check_call(ep, *inputs)                              # compiles every kernel first: one launch per op,
+    *_, handle, hook = ep.dispatch(*inputs, return_recv_hook=True)   # and the send and receive kernels
+    hook()
+    ep.combine(expert_out, handle, return_recv_hook=True)[1]()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

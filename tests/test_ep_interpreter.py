@@ -77,6 +77,26 @@ def test_kernels_in_the_interpreter(case):
         assert not ep._status.any()
 
 
+def test_eager_calls_in_one_launch_and_in_two():
+    """One rank, calls without hooks: dispatches of up to one_launch_tokens tokens run in one launch,
+    larger ones as the send and the receive kernel; combine always in one launch; the kinds alternate
+    on the same slots."""
+    tokens, hidden, experts, topk, group = 6, 256, 8, 2, 128
+    ep = simulated_world(1, tokens, hidden, experts, topk, group, timing=True)[0]
+    ep.protocol.one_launch_tokens = 3
+    for call, t in enumerate([5, 0, 6, 1, 3, 4]):
+        inputs = [make_inputs(0, [t], hidden, experts, topk, seed=call)]
+        recv_x, recv_scales, recv_count, handle = ep.dispatch(*inputs[0])
+        expected = expected_dispatch(0, 1, inputs, experts, tokens, group)
+        assert recv_count.tolist() == [len(rows) for rows in expected], call
+        y = ep.combine(expert_fn(recv_x, recv_scales, group, torch.bfloat16), handle)
+        assert torch.equal(y, expected_combine(0, 1, inputs, experts, group, torch.bfloat16)), call
+        phases = ep.breakdown()                     # both kinds of launch stamp the same rows
+        assert phases["dispatch_total_us"] > 0 and phases["combine_total_us"] > 0 and min(phases.values()) >= 0
+    assert ep.protocol.uses.tolist() == [[3, 3]] * 4
+    assert not ep._status.any()
+
+
 def test_back_to_back_dispatches_and_two_in_flight():
     """Dispatches without combines between them (credits alone keep the slots apart), then two in flight."""
     world, tokens, hidden, experts, topk = 2, 12, 128, 4, 2

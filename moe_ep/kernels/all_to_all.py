@@ -1,6 +1,7 @@
 """Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
 
-Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll`` (``moe_ep.ep_low_latency``):
+Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll``
+(``moe_ep.ep_low_latency``), and a one-launch kernel per direction that runs both (below):
 
 dispatch_send   (on every rank, for its own tokens)
     programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
@@ -29,6 +30,16 @@ combine_send    (on every expert rank)
 combine_recv    (on every source rank)
     Waits for every rank's signal, adds the per-rank rows in rank order in fp32 for the ranks
     each token was routed to, casts; the last program frees the slot on every expert rank.
+
+One launch per op. ``dispatch_kernel`` and ``combine_kernel`` run both kernels of an op, one
+after the other, in one launch: the calls without a receive hook, which then cost one launch of
+host time instead of two. Between the phases every program waits for the peers' signals, which
+the last program to finish the send phase gives; so all programs must be on the GPU at once: the
+grid is cut to what the SMs hold (``launcher.resident_programs``). With several ranks on one GPU
+(shared-GPU mode) CUDA MPS gives no such guarantee across the ranks' kernels (on one H200, at 2
+and 4 ranks, waits between the phases timed out with grids cut to each rank's share of SMs), so
+there every call takes the two kernels. Both phases keep the split kernels' counters (``uses``, ``finished`` and
+stamps: rows 2i and 2i + 1), so calls of either kind can follow each other on the same slots.
 
 The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
 n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
@@ -86,6 +97,8 @@ COMBINE_PEERS = ("data", "arrived", "freed")
 KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 STAMPS = ("started", "waited", "worked", "signaled")
 STAMP_STARTED, STAMP_WAITED, STAMP_WORKED, STAMP_SIGNALED = (tl.constexpr(i) for i in range(4))
+# The one-launch kernels' receive rows: of the [2, NUM_SLOTS] counters and of the [2, 4] stamps.
+RECV_COUNTERS, RECV_STAMPS = tl.constexpr(NUM_SLOTS), tl.constexpr(len(STAMPS))
 
 # Run-time ints: no specialization on their values (an int equal to 1 would become a constexpr), so one
 # compiled kernel serves every max_tokens. hidden stays specialized: its divisibility by 16 is what lets
@@ -475,3 +488,95 @@ def combine_recv_kernel(
                             max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr,
             TIMING, WORLD_PAD)
+
+
+@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
+def dispatch_kernel(
+    x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
+    peers, freed_ptr,                                        # as in dispatch_send_kernel
+    data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
+    recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # as in dispatch_recv_kernel
+    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,
+    finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
+    clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
+    num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
+    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
+    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
+):
+    """dispatch_send_kernel then dispatch_recv_kernel in one cooperative launch: every program takes
+    layout blocks and token items by program id, then all wait for the peers' rows and fan them out."""
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
+    use = _use(uses_ptr, slot)
+    clock = _clock(clock_ptr)
+    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT, clock,
+                     WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    stage = slot * world + rank                              # my row block on every receiver
+    if ok:
+        for block in range(pid, tl.cdiv(num_experts, EXPERTS_BLOCK), programs):
+            _dispatch_layout(ids_ptr, peers, status_ptr, block, stage, num_tokens, call, world, max_tokens, topk,
+                             experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
+                         topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+
+    recv_stamps = stamps_ptr + RECV_STAMPS
+    _stamp(recv_stamps, STAMP_STARTED, TIMING)
+    if ok:
+        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL, clock,
+                         WORLD_PAD)
+    _stamp(recv_stamps, STAMP_WAITED, TIMING)
+    if ok:
+        if pid == 0:
+            _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
+                                  experts_per_rank)
+        _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr,
+                             recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, pid,
+                             programs, slot * world, rank, world, max_tokens, hidden, topk, experts_per_rank, FP8,
+                             GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, peers, D_FREED, stage, world,
+            recv_stamps, TIMING, WORLD_PAD)
+
+
+@triton.jit(do_not_specialize=_INTS + ["num_tokens"])
+def combine_kernel(
+    y_ptr,                                                   # expert_out [E_loc, R, H]
+    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
+    out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
+    data_ptr, arrived_ptr, freed_ptr,                        # my combine staging, arrival and credit counters
+    peers,                                                   # int64 [COMBINE_PEERS, world]
+    finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
+    clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
+    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    TIMING: tl.constexpr,
+):
+    """combine_send_kernel then combine_recv_kernel in one cooperative launch, work by program id."""
+    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
+    use = _use(uses_ptr, slot)
+    clock = _clock(clock_ptr)
+    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT, clock,
+                     WORLD_PAD)
+    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    stage = slot * world + rank
+    if ok:
+        _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
+                            slot, rank, world, max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+
+    recv_stamps = stamps_ptr + RECV_STAMPS
+    _stamp(recv_stamps, STAMP_STARTED, TIMING)
+    if ok:
+        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL, clock,
+                         WORLD_PAD)
+    _stamp(recv_stamps, STAMP_WAITED, TIMING)
+    if ok:
+        _combine_recv_items(out_ptr, ids_ptr, data_ptr, pid, programs, num_tokens, slot, world, max_tokens, hidden,
+                            topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, peers, C_FREED, stage, world,
+            recv_stamps, TIMING, WORLD_PAD)
