@@ -25,7 +25,11 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 # 10 us of host time a call and took the same GPU time up to 512 tokens, but 358 us against 291 us for the two
 # kernels at 4096 (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
 ONE_LAUNCH_TOKENS = 512
-CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+CHUNK_COLUMNS = 2048
+# Eager dispatches of more tokens (prefill) take the send and receive kernels bound with larger work items and
+# twice the programs: at 4096 tokens on one H200 that cut dispatch from 296 to 200 us (benchmarks/NOTES.md).
+PREFILL_CHUNK_COLUMNS = 4096
+PREFILL_PROGRAMS = 2         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
 LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
@@ -113,6 +117,12 @@ class LowLatency(EPProtocol):
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
+        self.prefill = T > ONE_LAUNCH_TOKENS
+        if self.prefill:
+            chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
+            for name, items in (("dispatch_send", T * chunks), ("dispatch_recv", W * T * chunks)):
+                grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
+            grid["dispatch_send_prefill"] += layout
         grid["dispatch_send"] += layout
         if INTERPRETING:            # one program at a time: a second one could never be waited for
             grid["dispatch"] = grid["combine"] = 1
@@ -135,18 +145,11 @@ class LowLatency(EPProtocol):
         # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}
-        self._dispatch_send = [self.bind(
-            "dispatch_send", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
-            peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts,
-            BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
-        self._dispatch_recv = [self.bind(
-            "dispatch_recv", kernels.dispatch_recv_kernel, s,
-            data_ptr=d.data, scale_ptr=d.scales, ids_ptr=d.ids, w_ptr=d.weights, pos_ptr=d.positions,
-            count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
-            recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
-            recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
-            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], num_warps=4, **quantize, **early)
-            for s in range(SLOTS)]
+        self._dispatch_send, self._dispatch_recv = self._split_dispatch("", dispatch_peers, quantize, early)
+        self._prefill = None
+        if self.prefill:
+            prefill = dict(quantize, BLOCK_GROUPS=PREFILL_CHUNK_COLUMNS // group)
+            self._prefill = self._split_dispatch("_prefill", dispatch_peers, prefill, early)
         self._combine_send = {(s, ds): self.bind(
             "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
             kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
@@ -172,3 +175,31 @@ class LowLatency(EPProtocol):
             kept_tokens_ptr=d.kept_tokens[ds], data_ptr=cb.data, arrived_ptr=cb.arrived, freed_ptr=cb.freed,
             peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4, enable_fp_fusion=False)
             for s in range(SLOTS) for ds in range(SLOTS)}
+
+    def _split_dispatch(self, suffix: str, dispatch_peers, quantize: dict, early: dict):
+        """The send and the receive kernel of dispatch per slot, on the grids named "dispatch_send" and
+        "dispatch_recv" + suffix, with chunks of `quantize`'s BLOCK_GROUPS scale groups."""
+        c, d = self.config, self.dispatch_buffers
+        send = [self.bind(
+            f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts,
+            BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
+        recv = [self.bind(
+            f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s,
+            data_ptr=d.data, scale_ptr=d.scales, ids_ptr=d.ids, w_ptr=d.weights, pos_ptr=d.positions,
+            count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
+            recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
+            recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
+            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], num_warps=4, **quantize, **early)
+            for s in range(SLOTS)]
+        return send, recv
+
+    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
+        """EPProtocol.dispatch, but in an object built for prefill (max_tokens > ONE_LAUNCH_TOKENS) a call of
+        more than one_launch_tokens tokens takes the prefill kernels."""
+        if x.shape[0] <= self.one_launch_tokens or self._prefill is None:
+            return super().dispatch(slot, x, topk_ids, topk_weights, call)
+        send, recv = self._prefill
+        self.reset_stamps("dispatch")
+        send[slot](x, topk_ids, topk_weights, x.shape[0], call)
+        recv[slot]()

@@ -73,7 +73,8 @@ class EPProtocol:
     def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int],
                sms: int) -> None:
         """Program state, all int64: per kernel of `grid` (name -> programs: the names of
-        kernels.all_to_all.KERNELS, and "dispatch" and "combine" for the one-launch kernels), every
+        kernels.all_to_all.KERNELS, "dispatch" and "combine" for the one-launch kernels, a name of
+        KERNELS + "_prefill" for a phase's kernel bound with other tiles), every
         program's clock word for the bounded waits [grid]; per phase (a row per name of KERNELS), the
         programs finished per slot and the uses of each slot [4, SLOTS] and timing stamps [4, 4] (STAMPS;
         reset to "none yet" before a timed call). A one-launch kernel keeps both its phases' rows. `sms`:
@@ -114,8 +115,9 @@ class EPProtocol:
         those of its phase, or for a one-launch kernel ("dispatch", "combine") its two phases' rows, the
         send row first (the kernel reaches the receive row by its offset), and a grid that fits on the
         SMs at once: its programs wait for each other between the phases."""
-        one_launch = name not in KERNELS
-        row = KERNELS.index(f"{name}_send" if one_launch else name)
+        phase = name.removesuffix("_prefill")          # a split kernel bound with other tiles: the same phase
+        one_launch = phase not in KERNELS
+        row = KERNELS.index(f"{phase}_send" if one_launch else phase)
         return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if one_launch else None, slot=slot,
                            clock_ptr=self.clocks[name], finished_ptr=self.finished[row], uses_ptr=self.uses[row],
                            stamps_ptr=self.stamps[row], **self.common_arguments(), **arguments)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from cases import expert_fn, make_inputs
 from distributed import gpu_worlds, run
 from moe_ep import CommTimeoutError, EPAllToAll, reference
+from moe_ep.ep_low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.routing import random_topk
 
 pytestmark = pytest.mark.gpu
@@ -93,6 +94,24 @@ def _back_to_back(rank, world, calls):
 @gpu_worlds
 def test_back_to_back_calls(world):
     run(_back_to_back, world, 1000, gpu=True, timeout=600)
+
+
+def _prefill_sized(rank, world):
+    """An object built for more than ONE_LAUNCH_TOKENS tokens: eager dispatches of more tokens than that
+    take the send and receive kernels bound with the prefill tiles (a second, partly masked chunk of a
+    7168-column row), smaller ones the others; ranks mix the two in one call."""
+    max_tokens = ONE_LAUNCH_TOKENS + 88
+    ep = EPAllToAll(max_tokens, 7168, 64, 8)
+    assert ep.protocol.prefill
+    for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens]):
+        counts = [tokens if (i + r) % 2 else max(tokens - 100, 0) for r in range(world)]
+        check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1)
+    ep.destroy()
+
+
+@gpu_worlds
+def test_prefill_sized_calls(world):
+    run(_prefill_sized, world, gpu=True, timeout=300)
 
 
 def _hooks_graphs_and_errors(rank, world):

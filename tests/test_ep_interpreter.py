@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
-from moe_ep import EPAllToAll
+from moe_ep import EPAllToAll, ep_low_latency
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -77,13 +77,17 @@ def test_kernels_in_the_interpreter(case):
         assert not ep._status.any()
 
 
-def test_eager_calls_in_one_launch_and_in_two():
+@pytest.mark.parametrize("prefill", [False, True])
+def test_eager_calls_in_one_launch_and_in_two(prefill, monkeypatch):
     """One rank, calls without hooks: dispatches of up to one_launch_tokens tokens run in one launch,
-    larger ones as the send and the receive kernel; combine always in one launch; the kinds alternate
-    on the same slots."""
+    larger ones as the send and the receive kernel (with prefill: those bound with the prefill tiles,
+    as in an object built for more than ONE_LAUNCH_TOKENS); combine always in one launch; the kinds
+    alternate on the same slots."""
     tokens, hidden, experts, topk, group = 6, 256, 8, 2, 128
+    monkeypatch.setattr(ep_low_latency, "ONE_LAUNCH_TOKENS", 3 if prefill else tokens)
     ep = simulated_world(1, tokens, hidden, experts, topk, group, timing=True)[0]
     ep.protocol.one_launch_tokens = 3
+    assert ep.protocol.prefill == prefill
     for call, t in enumerate([5, 0, 6, 1, 3, 4]):
         inputs = [make_inputs(0, [t], hidden, experts, topk, seed=call)]
         recv_x, recv_scales, recv_count, handle = ep.dispatch(*inputs[0])
