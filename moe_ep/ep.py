@@ -16,7 +16,8 @@ valid until the dispatch after next; combine's result likewise until the combine
 (unless it wrote a tensor given as ``out``). With ``return_recv_hook=True`` dispatch and combine
 return after issuing the sends, together with a callable that launches the receive: run compute
 in between, call the hook, and only then read the outputs. At most two dispatches (and two
-combines) may be in flight.
+combines) may be in flight. Without a hook, both phases run in one kernel launch where the
+protocol allows it (``ep_low_latency.ONE_LAUNCH_TOKENS``): one launch of host time less a call.
 
 No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
@@ -139,8 +140,7 @@ class EPAllToAll(runtime.CommObject):
                                    pin_memory=self.device.type == "cuda")
         self._status_words = self._status.numpy()        # read by the host without a sync: pinned, written by kernels
         sms = min(sms, self.num_sms or sms)
-        self.protocol = LowLatency(self.config, symmetric_zeros, self.device, self._status, sms)
-        self.protocol.one_launch = one_launch
+        self.protocol = LowLatency(self.config, symmetric_zeros, self.device, self._status, sms, one_launch)
         self._symmetric = self.protocol.symmetric
 
     # ------------------------------------------------------------------------------------ checks

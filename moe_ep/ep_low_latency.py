@@ -25,11 +25,12 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 # 10 us of host time a call and took the same GPU time up to 512 tokens, but 358 us against 291 us for the two
 # kernels at 4096 (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
 ONE_LAUNCH_TOKENS = 512
-CHUNK_COLUMNS = 2048
-# Eager dispatches of more tokens (prefill) take the send and receive kernels bound with larger work items and
-# twice the programs: at 4096 tokens on one H200 that cut dispatch from 296 to 200 us (benchmarks/NOTES.md).
+CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+# In an object built for more tokens, eager dispatches of more tokens (prefill) take the send and receive
+# kernels bound with larger work items and twice the programs: at 4096 tokens on one H200 that cut dispatch
+# from 296 to 200 us (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
-PREFILL_PROGRAMS = 2         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
 LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
@@ -104,9 +105,11 @@ class LowLatency(EPProtocol):
     name = "low_latency"
     one_launch_tokens = ONE_LAUNCH_TOKENS
 
-    def __init__(self, config: EPConfig, symmetric_zeros, device: torch.device, status: torch.Tensor, sms: int):
+    def __init__(self, config: EPConfig, symmetric_zeros, device: torch.device, status: torch.Tensor, sms: int,
+                 one_launch: bool):
         """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on `device`. Grids are
-        bounded by `sms` (the same on every rank) times PROGRAMS_PER_SM."""
+        bounded by `sms` (the same on every rank) times PROGRAMS_PER_SM. `one_launch`: see EPProtocol."""
+        self.one_launch = one_launch
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
         self.layout_ids, self.layout_experts = layout_tile(config)

@@ -10,7 +10,7 @@ front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
     dispatch_recv(slot)                                    # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)          # weighted sums back to their sources
     combine_recv(slot, out, topk_ids, num_tokens)          # adds them up into out [T, H]
-    dispatch(...), combine(...)                            # both phases in one launch: calls without a hook
+    dispatch(...), combine(...)                            # both phases (one launch where it may): no hook
 
 The front has checked every argument; a protocol trusts them. A new protocol is a new pair of
 files beside these.
@@ -141,8 +141,8 @@ class EPProtocol:
 
     # --------------------------------------------------------------------- launches (bound in connect)
 
-    one_launch = True          # calls without a receive hook may run both phases in one launch,
-    one_launch_tokens = 0      # dispatches of at most this many tokens (set by the subclass)
+    one_launch = True          # calls without a receive hook may run both phases in one launch (False with
+    one_launch_tokens = 0      # several ranks on a GPU), dispatches of at most this many tokens
 
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch up to

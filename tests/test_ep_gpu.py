@@ -104,7 +104,7 @@ def _prefill_sized(rank, world):
     ep = EPAllToAll(max_tokens, 7168, 64, 8)
     assert ep.protocol.prefill
     for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens]):
-        counts = [tokens if (i + r) % 2 else max(tokens - 100, 0) for r in range(world)]
+        counts = [max(tokens - 100, 0) if (i + r) % 2 else tokens for r in range(world)]
         check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1)
     ep.destroy()
 

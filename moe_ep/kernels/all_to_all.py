@@ -32,14 +32,15 @@ combine_recv    (on every source rank)
     each token was routed to, casts; the last program frees the slot on every expert rank.
 
 One launch per op. ``dispatch_kernel`` and ``combine_kernel`` run both kernels of an op, one
-after the other, in one launch: the calls without a receive hook, which then cost one launch of
+after the other, in one launch: for calls without a receive hook, which then cost one launch of
 host time instead of two. Between the phases every program waits for the peers' signals, which
 the last program to finish the send phase gives; so all programs must be on the GPU at once: the
 grid is cut to what the SMs hold (``launcher.resident_programs``). With several ranks on one GPU
 (shared-GPU mode) CUDA MPS gives no such guarantee across the ranks' kernels (on one H200, at 2
 and 4 ranks, waits between the phases timed out with grids cut to each rank's share of SMs), so
-there every call takes the two kernels. Both phases keep the split kernels' counters (``uses``, ``finished`` and
-stamps: rows 2i and 2i + 1), so calls of either kind can follow each other on the same slots.
+there every call takes the two kernels. Both phases keep the split kernels' counters (``uses``,
+``finished``) and stamps, rows 2i and 2i + 1, so calls of either kind can follow each other on
+the same slots.
 
 The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
 n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
@@ -504,8 +505,8 @@ def dispatch_kernel(
     EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
     VALIDATE: tl.constexpr, TIMING: tl.constexpr,
 ):
-    """dispatch_send_kernel then dispatch_recv_kernel in one cooperative launch: every program takes
-    layout blocks and token items by program id, then all wait for the peers' rows and fan them out."""
+    """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
+    and token items by program id, then all wait for the peers' rows and fan them out."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _use(uses_ptr, slot)
@@ -554,7 +555,7 @@ def combine_kernel(
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     TIMING: tl.constexpr,
 ):
-    """combine_send_kernel then combine_recv_kernel in one cooperative launch, work by program id."""
+    """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
     _stamp(stamps_ptr, STAMP_STARTED, TIMING)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
     use = _use(uses_ptr, slot)
