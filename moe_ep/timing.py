@@ -44,10 +44,9 @@ def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
     name = os.path.basename(sys.argv[0])
     if not torch.cuda.is_available():
         raise SystemExit(f"{name} needs GPUs")
-    per_gpu = runtime.ranks_per_gpu()
-    if per_gpu > 1:
-        raise SystemExit(f"{name} refuses shared-GPU mode ({per_gpu} ranks per GPU): ranks that share "
-                         "one GPU's memory and SMs time neither NVLink nor a GPU of their own; run one rank per GPU")
+    skipped = why_untimed(torch.device("cuda"))
+    if skipped is not None:
+        raise SystemExit(f"{name} refuses shared-GPU mode: {skipped}; run one rank per GPU")
     runtime.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     return args
