@@ -1,7 +1,8 @@
 """The low-latency protocol (decode): its buffers and launches over ``kernels/all_to_all.py``.
 
 Work items are one token row (chunk) each, signals one per (call, peer): the fewest steps
-between a call and its result, for tens to hundreds of tokens per rank.
+between a call and its result, for tens to hundreds of tokens per rank. An object built for more
+(prefill) also binds its dispatch kernels with larger work items, for calls of that size.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from .shmem import INTERPRETING
 # tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 80, 6).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
                    "dispatch": 8, "combine": 8}
-# Eager dispatches of up to this many tokens run in one launch: on one H200 (H = 7168, top-8) it saved about
-# 10 us of host time a call and took the same GPU time up to 512 tokens, but 358 us against 291 us for the two
-# kernels at 4096 (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
+# Eager dispatches of up to this many tokens run in one launch: on H200s (H = 7168, top-8) it saved 8-23 us of
+# host time a call and took within a few us of the two kernels' GPU time up to 512 tokens, but 358 us against
+# 291 us at 4096 on one GPU (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
 ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # In an object built for more tokens, eager dispatches of more tokens (prefill) take the send and receive
