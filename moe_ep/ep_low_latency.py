@@ -24,7 +24,8 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
                    "dispatch": 8, "combine": 8}
 # Eager dispatches of up to this many tokens run in one launch: on H200s (H = 7168, top-8) it saved 8-23 us of
 # host time a call and took within a few us of the two kernels' GPU time up to 512 tokens, but 358 us against
-# 291 us at 4096 on one GPU (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us at 4096).
+# 291 us at 4096 on one GPU (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us
+# at 4096).
 ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # In an object built for more tokens, eager dispatches of more tokens (prefill) take the send and receive
@@ -32,6 +33,7 @@ CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB
 # from 296 to 200 us (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
+DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call")   # what a dispatch launch passes per call
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
 LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
 LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
@@ -123,8 +125,8 @@ class LowLatency(EPProtocol):
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
         self.prefill = T > ONE_LAUNCH_TOKENS
         if self.prefill:
-            chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
-            for name, items in (("dispatch_send", T * chunks), ("dispatch_recv", W * T * chunks)):
+            prefill_chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
+            for name, items in (("dispatch_send", T * prefill_chunks), ("dispatch_recv", W * T * prefill_chunks)):
                 grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
             grid["dispatch_send_prefill"] += layout
         grid["dispatch_send"] += layout
@@ -150,7 +152,6 @@ class LowLatency(EPProtocol):
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}
         self._dispatch_send, self._dispatch_recv = self._split_dispatch("", dispatch_peers, quantize, early)
-        self._prefill = None
         if self.prefill:
             prefill = dict(quantize, BLOCK_GROUPS=PREFILL_CHUNK_COLUMNS // group)
             self._prefill = self._split_dispatch("_prefill", dispatch_peers, prefill, early)
@@ -165,7 +166,7 @@ class LowLatency(EPProtocol):
             data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4,
             **early) for s in range(SLOTS)]
         self._dispatch = [self.bind(
-            "dispatch", kernels.dispatch_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            "dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS,
             peers=dispatch_peers, freed_ptr=d.freed, data_ptr=d.data, scale_ptr=d.scales, staged_ids_ptr=d.ids,
             staged_w_ptr=d.weights, pos_ptr=d.positions, count_ptr=d.counts, tokens_ptr=d.tokens,
             arrived_ptr=d.arrived, recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s],
@@ -185,7 +186,7 @@ class LowLatency(EPProtocol):
         "dispatch_recv" + suffix, with chunks of `quantize`'s BLOCK_GROUPS scale groups."""
         c, d = self.config, self.dispatch_buffers
         send = [self.bind(
-            f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call"),
+            f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
             peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts,
             BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
         recv = [self.bind(
@@ -197,13 +198,3 @@ class LowLatency(EPProtocol):
             kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], num_warps=4, **quantize, **early)
             for s in range(SLOTS)]
         return send, recv
-
-    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
-        """EPProtocol.dispatch, but in an object built for prefill (max_tokens > ONE_LAUNCH_TOKENS) a call of
-        more than one_launch_tokens tokens takes the prefill kernels."""
-        if x.shape[0] <= self.one_launch_tokens or self._prefill is None:
-            return super().dispatch(slot, x, topk_ids, topk_weights, call)
-        send, recv = self._prefill
-        self.reset_stamps("dispatch")
-        send[slot](x, topk_ids, topk_weights, x.shape[0], call)
-        recv[slot]()

@@ -65,7 +65,7 @@ class EPProtocol:
     frees, and `outputs`, dispatch's results per slot), and bind in ``connect`` the launches of each phase:
     `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and dispatch slot),
     `_combine_recv` (per slot), and of both phases at once: `_dispatch` (per slot), `_combine` (per slot
-    and dispatch slot).
+    and dispatch slot); optionally `_prefill`, a second send and receive kernel of dispatch per slot.
     """
 
     name = ""
@@ -143,16 +143,21 @@ class EPProtocol:
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (False with
     one_launch_tokens = 0      # several ranks on a GPU), dispatches of at most this many tokens
+    _prefill = None            # (send, receive) kernels per slot for larger dispatches, if the subclass binds them
 
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch up to
-        `one_launch_tokens` tokens, above that (or without `one_launch`) as the send and the receive kernel."""
-        if not self.one_launch or x.shape[0] > self.one_launch_tokens:
-            self.dispatch_send(slot, x, topk_ids, topk_weights, call)
-            self.dispatch_recv(slot)
-            return
+        `one_launch_tokens` tokens (with `one_launch`); otherwise as a send and a receive kernel, those
+        of `_prefill` above `one_launch_tokens` where it is bound."""
+        tokens = x.shape[0]
         self.reset_stamps("dispatch")
-        self._dispatch[slot](x, topk_ids, topk_weights, x.shape[0], call)
+        if self.one_launch and tokens <= self.one_launch_tokens:
+            self._dispatch[slot](x, topk_ids, topk_weights, tokens, call)
+            return
+        send, recv = (self._prefill if self._prefill is not None and tokens > self.one_launch_tokens
+                      else (self._dispatch_send, self._dispatch_recv))
+        send[slot](x, topk_ids, topk_weights, tokens, call)
+        recv[slot]()
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
         """Both phases of a combine, for a call without a receive hook: in one launch with `one_launch`."""

@@ -161,6 +161,35 @@ def _stamp(stamps, which: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
+def _begin(stamps, uses, slot, clocks, status_addr, flags, world, behind, timeout_ns, tag,
+           EARLY: tl.constexpr, WORLD_PAD: tl.constexpr, TIMING: tl.constexpr):
+    """A launch's start, stamped: with EARLY it lets the receive kernel start (``_start_receiver``);
+    then this launch's use of `slot` and the wait until flags[slot * world + r] >= use - behind for
+    every rank r. Returns the status pointer (pinned host memory: the host reads it without a sync),
+    the use, and False if the wait timed out."""
+    _stamp(stamps, STAMP_STARTED, TIMING)
+    if EARLY:
+        _start_receiver()
+    status = status_addr.to(tl.pointer_type(tl.int32))
+    use = _use(uses, slot)
+    ok = wait_all_ge(flags + slot * world, world, use - behind, timeout_ns, status, tag, _clock(clocks), WORLD_PAD)
+    _stamp(stamps, STAMP_WAITED, TIMING)
+    return status, use, ok
+
+
+@triton.jit
+def _await_peers(ok, stamps, flags, slot, world, use, timeout_ns, status, tag, clocks, WORLD_PAD: tl.constexpr,
+                 TIMING: tl.constexpr):
+    """A one-launch kernel's receive phase starts, stamped in its row `stamps`: unless an earlier wait
+    failed (`ok` False), wait until flags[slot * world + r] >= use for every rank r."""
+    _stamp(stamps, STAMP_STARTED, TIMING)
+    if ok:
+        ok = wait_all_ge(flags + slot * world, world, use, timeout_ns, status, tag, _clock(clocks), WORLD_PAD)
+    _stamp(stamps, STAMP_WAITED, TIMING)
+    return ok
+
+
+@triton.jit
 def _finish(finished, uses, use, peers, row, offset, world, stamps, TIMING: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank."""
     _stamp(stamps, STAMP_WORKED, TIMING)
@@ -389,13 +418,8 @@ def dispatch_send_kernel(
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
     tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    _start_receiver()
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT,
-                     _clock(clock_ptr), WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
+                                 TAG_DISPATCH_CREDIT, True, WORLD_PAD, TIMING)
     pid = tl.program_id(0)
     layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
     stage = slot * world + rank                              # my row block on every receiver
@@ -422,12 +446,8 @@ def dispatch_recv_kernel(
     WORLD_PAD: tl.constexpr, TIMING: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL,
-                     _clock(clock_ptr), WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, world, 0,
+                                 timeout_ns, TAG_DISPATCH_ARRIVAL, False, WORLD_PAD, TIMING)
     stage = slot * world                                   # first source row block of this slot
     if ok:
         if tl.program_id(0) == 0:
@@ -453,13 +473,8 @@ def combine_send_kernel(
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
     arrived and freed counters [SLOTS, world] i64."""
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    _start_receiver()
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT,
-                     _clock(clock_ptr), WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
+                                 TAG_COMBINE_CREDIT, True, WORLD_PAD, TIMING)
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
@@ -478,12 +493,8 @@ def combine_recv_kernel(
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     TIMING: tl.constexpr,
 ):
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL,
-                     _clock(clock_ptr), WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, world, 0,
+                                 timeout_ns, TAG_COMBINE_ARRIVAL, False, WORLD_PAD, TIMING)
     if ok:
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, tl.program_id(0), tl.num_programs(0), num_tokens, slot, world,
                             max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
@@ -507,13 +518,8 @@ def dispatch_kernel(
 ):
     """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
     and token items by program id, then all wait for the peers' rows and fan them out."""
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    clock = _clock(clock_ptr)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_DISPATCH_CREDIT, clock,
-                     WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
+                                 TAG_DISPATCH_CREDIT, False, WORLD_PAD, TIMING)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
@@ -525,11 +531,8 @@ def dispatch_kernel(
     _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
-    _stamp(recv_stamps, STAMP_STARTED, TIMING)
-    if ok:
-        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL, clock,
-                         WORLD_PAD)
-    _stamp(recv_stamps, STAMP_WAITED, TIMING)
+    ok = _await_peers(ok, recv_stamps, arrived_ptr, slot, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL,
+                      clock_ptr, WORLD_PAD, TIMING)
     if ok:
         if pid == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
@@ -556,13 +559,8 @@ def combine_kernel(
     TIMING: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
-    _stamp(stamps_ptr, STAMP_STARTED, TIMING)
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))    # pinned host memory: the host reads it without a sync
-    use = _use(uses_ptr, slot)
-    clock = _clock(clock_ptr)
-    ok = wait_all_ge(freed_ptr + slot * world, world, use - 1, timeout_ns, status_ptr, TAG_COMBINE_CREDIT, clock,
-                     WORLD_PAD)
-    _stamp(stamps_ptr, STAMP_WAITED, TIMING)
+    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
+                                 TAG_COMBINE_CREDIT, False, WORLD_PAD, TIMING)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank
     if ok:
@@ -571,11 +569,8 @@ def combine_kernel(
     _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
-    _stamp(recv_stamps, STAMP_STARTED, TIMING)
-    if ok:
-        ok = wait_all_ge(arrived_ptr + slot * world, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL, clock,
-                         WORLD_PAD)
-    _stamp(recv_stamps, STAMP_WAITED, TIMING)
+    ok = _await_peers(ok, recv_stamps, arrived_ptr, slot, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL,
+                      clock_ptr, WORLD_PAD, TIMING)
     if ok:
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, pid, programs, num_tokens, slot, world, max_tokens, hidden,
                             topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
