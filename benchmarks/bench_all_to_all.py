@@ -6,6 +6,7 @@
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
 combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Timings of ours:
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
+            (dispatch: of mode "auto", and of "decode" and "prefill" each, where the crossover shows)
   eager     one call after a barrier, CUDA events; median
   host      CPU time from entering a call to its return, with the GPU busy; median
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
@@ -114,7 +115,8 @@ def host_only() -> None:
         ids, weights = random_topk(tokens, EXPERTS, TOPK)
         expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
         times = front_host_us(ep, x, ids, weights, expert_out)
-        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, combine {times['combine_front_us']:.1f}")
+        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, "
+              f"combine {times['combine_front_us']:.1f}")
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
@@ -212,6 +214,9 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     out = {"tokens": tokens, "programs": dict(ours.protocol.grid),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
+    for mode in ("decode", "prefill"):
+        call = lambda mode=mode: ours.dispatch(x, ids, weights, mode=mode)    # noqa: E731
+        out[f"dispatch_{mode}_graph_us"] = graph_median(call, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)                    # the graph's dispatches moved the slots on
     out["combine_graph_us"] = graph_median(combine, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)
@@ -258,8 +263,9 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     return out
 
 
-COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us",
-           "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl",
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_decode_graph_us", "dispatch_prefill_graph_us",
+           "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us",
+           "reference_dispatch_us", "dispatch_speedup_vs_nccl",
            "combine_graph_us", "combine_eager_us", "combine_host_us", "combine_front_us", "combine_kernel_us",
            "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB",
            "dispatch_link_GBps", "combine_link_GBps"]
@@ -283,6 +289,8 @@ def plot(rows, path):
     tokens = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, label, style in (("dispatch_graph_us", "moe_ep dispatch (graph)", "o-"),
+                              ("dispatch_decode_graph_us", "moe_ep dispatch, decode mode (graph)", "^:"),
+                              ("dispatch_prefill_graph_us", "moe_ep dispatch, prefill mode (graph)", "v:"),
                               ("combine_graph_us", "moe_ep combine (graph)", "s-")):
         ax.plot(tokens, [r[key] for r in rows], style, label=label)
     for key, label, style in (("nccl_dispatch_us", "NCCL dispatch (eager)", "o--"),

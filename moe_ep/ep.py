@@ -17,7 +17,10 @@ valid until the dispatch after next; combine's result likewise until the combine
 return after issuing the sends, together with a callable that launches the receive: run compute
 in between, call the hook, and only then read the outputs. At most two dispatches (and two
 combines) may be in flight. Without a hook, both phases run in one kernel launch where the
-protocol allows it (``ep_low_latency.ONE_LAUNCH_TOKENS``): one launch of host time less a call.
+protocol allows it: one launch of host time less a call. Dispatch's ``mode`` picks its kernels:
+"decode" (a token row a work item, one launch without a hook), "prefill" (larger work items and
+more programs, a send and a receive kernel), or "auto" (the default): decode up to
+``ep_low_latency.ONE_LAUNCH_TOKENS`` tokens, prefill above.
 
 No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from . import reference, runtime
 from .ep_low_latency import LowLatency
-from .ep_protocol import SLOTS, EPConfig
+from .ep_protocol import MODES, SLOTS, EPConfig
 from .kernels import all_to_all as kernels
 
 BACKENDS = ("nvshmem", "reference")
@@ -163,7 +166,7 @@ class EPAllToAll(runtime.CommObject):
                              f"{index % self.topk}] = {bad}, outside [-1, {self.num_experts}) (-1 = dropped slot); "
                              "it was dropped")
 
-    def _dispatch_args_pass(self, x, topk_ids, topk_weights) -> bool:
+    def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode) -> bool:
         """True if every check of _check_dispatch_args passes, in one expression: the common case at a
         third of the host time of the checks that name what is wrong."""
         try:
@@ -172,13 +175,15 @@ class EPAllToAll(runtime.CommObject):
                     and x.shape == (rows[0], self.hidden) and topk_ids.shape == rows and topk_weights.shape == rows
                     and rows[0] <= self.max_tokens and x.device == device and topk_ids.device == device
                     and topk_weights.device == device and x.is_contiguous() and topk_ids.is_contiguous()
-                    and topk_weights.is_contiguous() and self._pending["dispatch"] < SLOTS)
+                    and topk_weights.is_contiguous() and self._pending["dispatch"] < SLOTS and mode in MODES)
         except (AttributeError, IndexError, TypeError):
             return False
 
-    def _check_dispatch_args(self, x, topk_ids, topk_weights) -> None:
-        if self.backend == "nvshmem" and self._dispatch_args_pass(x, topk_ids, topk_weights):
+    def _check_dispatch_args(self, x, topk_ids, topk_weights, mode) -> None:
+        if self.backend == "nvshmem" and self._dispatch_args_pass(x, topk_ids, topk_weights, mode):
             return
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self._expect("x", x, (self.dtype,), dim=2)
         tokens = x.shape[0]
         if x.shape[1] != self.hidden:
@@ -210,13 +215,15 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ dispatch
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 return_recv_hook: bool = False):
+                 return_recv_hook: bool = False, mode: str = "auto"):
         """Send each token to the ranks of its experts; receive this rank's experts' rows.
 
         Args:
             x: [T, H] tokens, T <= max_tokens, dtype `dtype`.
             topk_ids: [T, K] int32/int64 expert ids, -1 = dropped slot.
             topk_weights: [T, K] float32/bfloat16/float16, kept for combine.
+            mode: "auto", "decode" or "prefill": which kernels run (see the module's docstring); the
+                results are the same.
         Returns:
             recv_x: [E_loc, W*T_max, H] float8_e4m3fn (or `dtype` without FP8): rows [0, recv_count[e])
                 of expert e are valid, in (source rank, token, k) order.
@@ -227,7 +234,7 @@ class EPAllToAll(runtime.CommObject):
         The outputs stay valid until the dispatch after next.
         """
         self._raise_if_failed()
-        self._check_dispatch_args(x, topk_ids, topk_weights)
+        self._check_dispatch_args(x, topk_ids, topk_weights, mode)
         slot = self._dispatches % SLOTS
         self._dispatches += 1
         call = self._dispatches
@@ -242,10 +249,10 @@ class EPAllToAll(runtime.CommObject):
         recv_x, recv_scales, recv_count, recv_src = self.protocol.outputs[slot]
         handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src)
         if not return_recv_hook:
-            self.protocol.dispatch(slot, x, topk_ids, topk_weights, call)
+            self.protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode)
             handle.received = True
             return recv_x, recv_scales, recv_count, handle
-        self.protocol.dispatch_send(slot, x, topk_ids, topk_weights, call)
+        self.protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
         return recv_x, recv_scales, recv_count, handle, _ReceiveHook(self, "dispatch", slot, handle)
 
     # ------------------------------------------------------------------------------------ combine

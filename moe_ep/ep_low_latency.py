@@ -1,8 +1,8 @@
 """The low-latency protocol (decode): its buffers and launches over ``kernels/all_to_all.py``.
 
 Work items are one token row (chunk) each, signals one per (call, peer): the fewest steps
-between a call and its result, for tens to hundreds of tokens per rank. An object built for more
-(prefill) also binds its dispatch kernels with larger work items, for calls of that size.
+between a call and its result, for tens to hundreds of tokens per rank ("decode" tiles). Its
+dispatch kernels are bound a second time with larger work items ("prefill" tiles), for thousands.
 """
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ from .shmem import INTERPRETING
 # tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 80, 6).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
                    "dispatch": 8, "combine": 8}
-# Eager dispatches of up to this many tokens run in one launch: on H200s (H = 7168, top-8) it saved 8-23 us of
-# host time a call and took within a few us of the two kernels' GPU time up to 512 tokens, but 358 us against
-# 291 us at 4096 on one GPU (benchmarks/NOTES.md). Combine runs in one launch at every size (251 against 266 us
-# at 4096).
+# Dispatches of mode "auto" take the decode tiles up to this many tokens, in one launch without a hook: on H200s
+# (H = 7168, top-8) one launch saved 8-23 us of host time a call and took within a few us of the two kernels' GPU
+# time up to 512 tokens, but 358 us against 291 us at 4096 on one GPU (benchmarks/NOTES.md). Combine runs in one
+# launch at every size (251 against 266 us at 4096).
 ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
-# In an object built for more tokens, eager dispatches of more tokens (prefill) take the send and receive
-# kernels bound with larger work items and twice the programs: at 4096 tokens on one H200 that cut dispatch
-# from 296 to 200 us (benchmarks/NOTES.md).
+# Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
+# items and twice the programs: at 4096 tokens on one H200 that cut dispatch from 296 to 200 us
+# (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call")   # what a dispatch launch passes per call
@@ -123,13 +123,11 @@ class LowLatency(EPProtocol):
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
-        self.prefill = T > ONE_LAUNCH_TOKENS
-        if self.prefill:
-            prefill_chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
-            for name, items in (("dispatch_send", T * prefill_chunks), ("dispatch_recv", W * T * prefill_chunks)):
-                grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
-            grid["dispatch_send_prefill"] += layout
+        prefill_chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
+        for name, items in (("dispatch_send", T * prefill_chunks), ("dispatch_recv", W * T * prefill_chunks)):
+            grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
         grid["dispatch_send"] += layout
+        grid["dispatch_send_prefill"] += layout
         if INTERPRETING:            # one program at a time: a second one could never be waited for
             grid["dispatch"] = grid["combine"] = 1
         self._start(config, device, status, grid, sms)
@@ -152,9 +150,8 @@ class LowLatency(EPProtocol):
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}
         self._dispatch_send, self._dispatch_recv = self._split_dispatch("", dispatch_peers, quantize, early)
-        if self.prefill:
-            prefill = dict(quantize, BLOCK_GROUPS=PREFILL_CHUNK_COLUMNS // group)
-            self._prefill = self._split_dispatch("_prefill", dispatch_peers, prefill, early)
+        prefill = dict(quantize, BLOCK_GROUPS=PREFILL_CHUNK_COLUMNS // group)
+        self._prefill = self._split_dispatch("_prefill", dispatch_peers, prefill, early)
         self._combine_send = {(s, ds): self.bind(
             "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
             kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],

@@ -6,11 +6,15 @@ A protocol is one kernel module and one class beside it (``ep_low_latency.LowLat
 that module's buffers (dataclasses, one comment per field) and its bound kernels, and offers the
 front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
 
-    dispatch_send(slot, x, topk_ids, topk_weights, call)   # this rank's tokens to their ranks
-    dispatch_recv(slot)                                    # fills outputs[slot]
-    combine_send(slot, dispatch_slot, expert_out)          # weighted sums back to their sources
-    combine_recv(slot, out, topk_ids, num_tokens)          # adds them up into out [T, H]
-    dispatch(...), combine(...)                            # both phases (one launch where it may): no hook
+    dispatch_send(slot, x, topk_ids, topk_weights, call, mode)   # this rank's tokens to their ranks
+    dispatch_recv(slot)                                          # fills outputs[slot]
+    combine_send(slot, dispatch_slot, expert_out)                # weighted sums back to their sources
+    combine_recv(slot, out, topk_ids, num_tokens)                # adds them up into out [T, H]
+    dispatch(...), combine(...)                                  # both phases (one launch where it may)
+
+`mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
+protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to
+`one_launch_tokens` tokens, prefill above.
 
 The front has checked every argument; a protocol trusts them. A new protocol is a new pair of
 files beside these.
@@ -26,6 +30,7 @@ from .kernels.all_to_all import KERNELS, NUM_SLOTS, STAMPS
 from .launcher import BoundKernel
 
 SLOTS = NUM_SLOTS
+MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,8 @@ class EPProtocol:
     in ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy()
     frees, and `outputs`, dispatch's results per slot), and bind in ``connect`` the launches of each phase:
     `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and dispatch slot),
-    `_combine_recv` (per slot), and of both phases at once: `_dispatch` (per slot), `_combine` (per slot
-    and dispatch slot); optionally `_prefill`, a second send and receive kernel of dispatch per slot.
+    `_combine_recv` (per slot), of both phases at once: `_dispatch` (per slot), `_combine` (per slot
+    and dispatch slot), and `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
     """
 
     name = ""
@@ -87,6 +92,7 @@ class EPProtocol:
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
         self._combined_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._receivers: list = [None] * SLOTS       # per slot: the receive kernel of its last dispatch_send
 
     def local(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -142,22 +148,17 @@ class EPProtocol:
     # --------------------------------------------------------------------- launches (bound in connect)
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (False with
-    one_launch_tokens = 0      # several ranks on a GPU), dispatches of at most this many tokens
-    _prefill = None            # (send, receive) kernels per slot for larger dispatches, if the subclass binds them
+    one_launch_tokens = 0      # several ranks on a GPU); "auto" dispatches of more tokens take the prefill tiles
 
-    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
-        """Both phases of a dispatch, for a call without a receive hook: in one launch up to
-        `one_launch_tokens` tokens (with `one_launch`); otherwise as a send and a receive kernel, those
-        of `_prefill` above `one_launch_tokens` where it is bound."""
-        tokens = x.shape[0]
-        self.reset_stamps("dispatch")
-        if self.one_launch and tokens <= self.one_launch_tokens:
-            self._dispatch[slot](x, topk_ids, topk_weights, tokens, call)
+    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
+        """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
+        tiles (with `one_launch`), otherwise as a send and a receive kernel."""
+        if self.one_launch and not self._prefill_tiles(x.shape[0], mode):
+            self.reset_stamps("dispatch")
+            self._dispatch[slot](x, topk_ids, topk_weights, x.shape[0], call)
             return
-        send, recv = (self._prefill if self._prefill is not None and tokens > self.one_launch_tokens
-                      else (self._dispatch_send, self._dispatch_recv))
-        send[slot](x, topk_ids, topk_weights, tokens, call)
-        recv[slot]()
+        self.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
+        self.dispatch_recv(slot)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
         """Both phases of a combine, for a call without a receive hook: in one launch with `one_launch`."""
@@ -168,12 +169,19 @@ class EPProtocol:
         self.reset_stamps("combine")
         self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
 
-    def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
+    def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
+        """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
         self.reset_stamps("dispatch")
-        self._dispatch_send[slot](x, topk_ids, topk_weights, x.shape[0], call)
+        send, recv = self._prefill if self._prefill_tiles(x.shape[0], mode) else (self._dispatch_send,
+                                                                                  self._dispatch_recv)
+        self._receivers[slot] = recv[slot]
+        send[slot](x, topk_ids, topk_weights, x.shape[0], call)
 
     def dispatch_recv(self, slot: int) -> None:
-        self._dispatch_recv[slot]()
+        self._receivers[slot]()
+
+    def _prefill_tiles(self, tokens: int, mode: str) -> bool:
+        return mode == "prefill" or (mode == "auto" and tokens > self.one_launch_tokens)
 
     def combine_send(self, slot: int, dispatch_slot: int, expert_out) -> None:
         self.reset_stamps("combine")

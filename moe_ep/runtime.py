@@ -35,7 +35,8 @@ from . import mps
 
 __all__ = [
     "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init",
-    "heap_size", "finalize", "is_initialized", "symmetric_empty", "symmetric_zeros", "free", "peer_ptr", "peer_tensor", "device_library", "barrier", "CommTimeoutError",
+    "heap_size", "finalize", "is_initialized", "symmetric_empty", "symmetric_zeros", "free", "peer_ptr",
+    "peer_tensor", "device_library", "barrier", "CommTimeoutError",
     "stream_write_value", "put_on_stream", "CommObject",
 ]
 

@@ -50,6 +50,8 @@ def _input_errors(rank, world):
     for message, args in bad_inputs.items():
         with pytest.raises(ValueError, match=message):
             ep.dispatch(*args)
+    with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'decode', 'prefill'\), got 'bulk'"):
+        ep.dispatch(x, ids, weights, mode="bulk")
     recv_x, recv_scales, _, handle = ep.dispatch(x, ids, weights)    # nothing was consumed by the failures
     assert handle.call == 1
     with pytest.raises(ValueError, match="shape"):
@@ -109,7 +111,8 @@ def compile_once(self, *values):
         if param.is_constexpr:
             signature[param.name], constants[(i,)] = "constexpr", value
         else:
-            signature[param.name] = TYPES[value.dtype] if isinstance(value, torch.Tensor) else "i64" if abs(value) >= 2**31 else "i32"
+            wide = not isinstance(value, torch.Tensor) and abs(value) >= 2**31
+            signature[param.name] = TYPES[value.dtype] if isinstance(value, torch.Tensor) else "i64" if wide else "i32"
     options = {k: v for k, v in self.options.items() if k != "launch_pdl"}
     triton.compile(ASTSource(self.fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
     print(self.fn.__name__)
@@ -119,8 +122,10 @@ p = EPAllToAll.simulated(2, 64, 7168, 256, 8)[0].protocol
 x, y = torch.zeros(64, 7168, dtype=torch.bfloat16), torch.zeros(64, 7168, dtype=torch.bfloat16)
 ids, weights = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(64, 8)
 expert_out = torch.zeros(128, 128, 7168, dtype=torch.bfloat16)
-p.dispatch_send(0, x, ids, weights, 1); p.dispatch_recv(0)
+for mode in ("decode", "prefill"):
+    p.dispatch_send(0, x, ids, weights, 1, mode); p.dispatch_recv(0)
 p.combine_send(0, 0, expert_out); p.combine_recv(0, y, ids, 64)
+p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
 """
 
 
@@ -131,5 +136,5 @@ def test_every_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert set(done.stdout.split()) == {
-        "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel"}
+    assert done.stdout.split() == ["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
+        "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]

@@ -15,6 +15,7 @@ from cases import expert_fn, make_inputs
 from distributed import gpu_worlds, run
 from moe_ep import CommTimeoutError, EPAllToAll, reference
 from moe_ep.ep_low_latency import ONE_LAUNCH_TOKENS
+from moe_ep.ep_protocol import MODES
 from moe_ep.routing import random_topk
 
 pytestmark = pytest.mark.gpu
@@ -26,13 +27,13 @@ CONFIGS = [(2048, 1, 8, True), (2048, 2, 64, False), (2048, 8, 256, True), (4096
            (7168, 8, 64, True), (7168, 8, 256, True)]
 
 
-def check_call(ep, x, ids, weights, straggle=None, out=False):
-    """One dispatch + toy experts + combine through `ep` and through the reference; assert equal.
-    With out=True combine writes a tensor of the caller's."""
+def check_call(ep, x, ids, weights, straggle=None, out=False, mode="auto"):
+    """One dispatch (of `mode`) + toy experts + combine through `ep` and through the reference; assert
+    equal. With out=True combine writes a tensor of the caller's."""
     rank, group = dist.get_rank(), ep.fp8_group
     if straggle is not None and straggle == rank:
         torch.cuda._sleep(2_000_000)
-    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights, mode=mode)
     r_x, r_scales, r_count, r_handle = reference.dispatch(x, ids, weights, num_experts=ep.num_experts,
                                                           max_tokens=ep.max_tokens, fp8_group=group)
     assert torch.equal(recv_count, r_count), (recv_count, r_count)
@@ -78,16 +79,17 @@ def test_dispatch_combine_sweep(part, world):
 
 def _back_to_back(rank, world, calls):
     ep = EPAllToAll(64, 2048, 64, 8, validate=False)
-    ep.protocol.one_launch_tokens = 32        # dispatches of more tokens take two launches: ranks mix both kinds
+    ep.protocol.one_launch_tokens = 32        # "auto" dispatches of more tokens take the prefill tiles
     g = torch.Generator().manual_seed(rank)
-    rng = random.Random(5)
+    rng, modes = random.Random(5), random.Random(rank)   # every rank its own mode a call
     for call in range(calls):
         tokens = int(torch.randint(0, 65, (1,), generator=g))
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
         ids, weights = random_topk(tokens, 64, 8, device="cuda", generator=g)
         if call % 7 == 0:
             ids[torch.rand(ids.shape, device="cuda") < 0.2] = -1
-        check_call(ep, x, ids, weights, straggle=rng.randrange(world) if call % 10 == 0 else None)
+        check_call(ep, x, ids, weights, straggle=rng.randrange(world) if call % 10 == 0 else None,
+                   mode=modes.choice(MODES))
     ep.destroy()
 
 
@@ -97,15 +99,15 @@ def test_back_to_back_calls(world):
 
 
 def _prefill_sized(rank, world):
-    """An object built for more than ONE_LAUNCH_TOKENS tokens: eager dispatches of more tokens than that
-    take the send and receive kernels bound with the prefill tiles (a second, partly masked chunk of a
-    7168-column row), smaller ones the others; ranks mix the two in one call."""
+    """Calls of more than ONE_LAUNCH_TOKENS tokens: "auto" and "prefill" take the send and receive kernels
+    bound with the prefill tiles (a second, partly masked chunk of a 7168-column row), "decode" the one
+    launch at any size; ranks mix the modes in one call."""
     max_tokens = ONE_LAUNCH_TOKENS + 88
     ep = EPAllToAll(max_tokens, 7168, 64, 8)
-    assert ep.protocol.prefill
-    for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens]):
+    for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens, 300]):
         counts = [max(tokens - 100, 0) if (i + r) % 2 else tokens for r in range(world)]
-        check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1)
+        check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1,
+                   mode=MODES[(i + rank) % len(MODES)])
     ep.destroy()
 
 
@@ -121,9 +123,9 @@ def _hooks_graphs_and_errors(rank, world):
     a = make_inputs(rank, tokens, hidden, experts, topk, seed=1, device="cuda")
     b = make_inputs(rank, tokens, hidden, experts, topk, seed=2, device="cuda")
 
-    # Two dispatches in flight, compute in between, then a third is refused.
+    # Two dispatches in flight (the second with the prefill tiles), compute in between, then a third is refused.
     *out_a, hook_a = ep.dispatch(*a, return_recv_hook=True)
-    *out_b, hook_b = ep.dispatch(*b, return_recv_hook=True)
+    *out_b, hook_b = ep.dispatch(*b, return_recv_hook=True, mode="prefill")
     with pytest.raises(ValueError, match="in flight"):
         ep.dispatch(*a)
     with pytest.raises(ValueError, match="receive"):
@@ -215,6 +217,7 @@ def _never_synchronizes(rank, world):
     inputs = make_inputs(rank, [32] * world, 2048, 64, 8, seed=4, device="cuda")
     expert_out = torch.randn(ep.experts_per_rank, world * 32, 2048, device="cuda", dtype=torch.bfloat16)
     check_call(ep, *inputs)                              # compiles every kernel first: one launch per op,
+    check_call(ep, *inputs, mode="prefill")              # the prefill tiles,
     *_, handle, hook = ep.dispatch(*inputs, return_recv_hook=True)   # and the send and receive kernels
     hook()
     ep.combine(expert_out, handle, return_recv_hook=True)[1]()
@@ -226,6 +229,7 @@ def _never_synchronizes(rank, world):
         for _ in range(3):
             *_, handle = ep.dispatch(*inputs)
             ep.combine(expert_out, handle)
+            *_, handle = ep.dispatch(*inputs, mode="prefill")
             *_, handle, hook = ep.dispatch(*inputs, return_recv_hook=True)
             hook()
             _, hook = ep.combine(expert_out, handle, return_recv_hook=True)

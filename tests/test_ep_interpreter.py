@@ -3,8 +3,9 @@
 Each simulated rank is an EPAllToAll whose "symmetric" buffers are plain CPU tensors
 (EPAllToAll.simulated); the peer tables hold every rank's addresses, which is all the kernels
 see of NVSHMEM. Sends run for every rank before any receive (receive hooks; one rank per call
-calls without them, after the others' sends), so no wait ever spins. Everything is
-compared bit for bit, FP8 bytes included (moe_ep.kernels.quant.to_fp8 rounds exactly there).
+calls without them, after the others' sends), so no wait ever spins. Ranks take different
+dispatch modes in the same call. Everything is compared bit for bit, FP8 bytes included
+(moe_ep.kernels.quant.to_fp8 rounds exactly there).
 """
 import os
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
-from moe_ep import EPAllToAll, ep_low_latency
+from moe_ep import EPAllToAll, launcher
+from moe_ep.ep_protocol import MODES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -42,12 +44,13 @@ def test_kernels_in_the_interpreter(case):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]
         # Rank `whole` calls without a receive hook (both phases at once) after the others' sends and before
-        # their receives; the others take the receive hook.
+        # their receives; the others take the receive hook. Each rank picks its own mode.
         whole = call % world
         others = [r for r in range(world) if r != whole]
-        outs = [ep.dispatch(*inputs[r], return_recv_hook=r != whole) for r, ep in enumerate(ranks)
+        modes = [MODES[(call + r) % len(MODES)] for r in range(world)]
+        outs = [ep.dispatch(*inputs[r], return_recv_hook=True, mode=modes[r]) for r, ep in enumerate(ranks)
                 if r != whole]
-        outs.insert(whole, ranks[whole].dispatch(*inputs[whole]))
+        outs.insert(whole, ranks[whole].dispatch(*inputs[whole], mode=modes[whole]))
         for r in others:
             outs[r][-1]()
         expert_outs = []
@@ -77,27 +80,52 @@ def test_kernels_in_the_interpreter(case):
         assert not ep._status.any()
 
 
-@pytest.mark.parametrize("prefill", [False, True])
-def test_eager_calls_in_one_launch_and_in_two(prefill, monkeypatch):
-    """One rank, calls without hooks: dispatches of up to one_launch_tokens tokens run in one launch,
-    larger ones as the send and the receive kernel (with prefill: those bound with the prefill tiles,
-    as in an object built for more than ONE_LAUNCH_TOKENS); combine always in one launch; the kinds
-    alternate on the same slots."""
+@pytest.mark.parametrize("hook", [False, True])
+def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
+    """One rank, every mode, with or without a receive hook, alternating on the same slots. Without a hook
+    "decode" runs in one launch, with one as the send and the receive kernel; "prefill" runs the send and
+    receive kernels bound with the prefill tiles; "auto" is decode up to one_launch_tokens tokens, prefill
+    above. Combine runs in one launch without a hook. Results, stamps and use counts are the same
+    whichever kernels ran."""
     tokens, hidden, experts, topk, group = 6, 256, 8, 2, 128
-    monkeypatch.setattr(ep_low_latency, "ONE_LAUNCH_TOKENS", 3 if prefill else tokens)
     ep = simulated_world(1, tokens, hidden, experts, topk, group, timing=True)[0]
     ep.protocol.one_launch_tokens = 3
-    assert ep.protocol.prefill == prefill
-    for call, t in enumerate([5, 0, 6, 1, 3, 4]):
+    launched = []
+    launch = launcher.BoundKernel.__call__
+
+    def recorded(kernel, *values):
+        launched.append((kernel.fn.__name__, kernel.fixed.get("BLOCK_GROUPS")))
+        launch(kernel, *values)
+
+    monkeypatch.setattr(launcher.BoundKernel, "__call__", recorded)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ep.dispatch(*make_inputs(0, [2], hidden, experts, topk, seed=0), mode="bulk")
+    assert not launched and ep._dispatches == 0
+    decode, prefill = 2048 // group, 4096 // group            # scale groups a work item (CHUNK_COLUMNS)
+    calls = [(5, "auto"), (0, "prefill"), (6, "decode"), (1, "auto"), (3, "prefill"), (4, "auto"), (2, "decode"),
+             (6, "auto")]
+    for call, (t, mode) in enumerate(calls):
         inputs = [make_inputs(0, [t], hidden, experts, topk, seed=call)]
-        recv_x, recv_scales, recv_count, handle = ep.dispatch(*inputs[0])
+        launched.clear()
+        recv_x, recv_scales, recv_count, handle, *hooks = ep.dispatch(*inputs[0], return_recv_hook=hook, mode=mode)
+        for receive in hooks:
+            receive()
+        tiles = prefill if mode == "prefill" or (mode == "auto" and t > 3) else decode
+        assert launched == ([("dispatch_kernel", decode)] if tiles == decode and not hook else
+                            [("dispatch_send_kernel", tiles), ("dispatch_recv_kernel", tiles)]), (call, launched)
         expected = expected_dispatch(0, 1, inputs, experts, tokens, group)
         assert recv_count.tolist() == [len(rows) for rows in expected], call
-        y = ep.combine(expert_fn(recv_x, recv_scales, group, torch.bfloat16), handle)
+        launched.clear()
+        y = ep.combine(expert_fn(recv_x, recv_scales, group, torch.bfloat16), handle, return_recv_hook=hook)
+        if hook:
+            y, receive = y
+            receive()
+        assert [name for name, _ in launched] == (["combine_send_kernel", "combine_recv_kernel"] if hook else
+                                                  ["combine_kernel"]), call
         assert torch.equal(y, expected_combine(0, 1, inputs, experts, group, torch.bfloat16)), call
-        phases = ep.breakdown()                     # both kinds of launch stamp the same rows
+        phases = ep.breakdown()                     # every kind of launch stamps the same rows
         assert phases["dispatch_total_us"] > 0 and phases["combine_total_us"] > 0 and min(phases.values()) >= 0
-    assert ep.protocol.uses.tolist() == [[3, 3]] * 4
+    assert ep.protocol.uses.tolist() == [[len(calls) // 2] * 2] * 4
     assert not ep._status.any()
 
 

@@ -9,7 +9,7 @@ the GPU only (one GPU is enough: those cases are skipped on CPU, not marked `gpu
 import pytest
 import torch
 
-from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, VARIANTS, grouped_gemm, grouped_gemm_reference
+from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, VARIANTS, gated_mlp, grouped_gemm, grouped_gemm_reference
 from moe_ep.reference import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +75,24 @@ def test_gated_packed_out_then_packed_in(activation, rows_per_expert, variant):
     out = torch.full((experts, rows, hidden), FILL, device=DEVICE)
     grouped_gemm(h, down, counts, out=out, rows_per_expert=rows_per_expert, variant=variant)
     _check_capacity(out, grouped_gemm_reference(expected_h, down, counts), counts, tol)
+
+
+@pytest.mark.parametrize("activation", ["silu", torch.tanh])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gated_mlp_kernels_match_its_reference(activation, fp8):
+    """gated_mlp's two GEMMs (a fused activation, or a callable applied between them in torch; packed
+    intermediate of fewer rows than E * R) against its plain-torch path; out's rows past the counts kept."""
+    experts, rows, hidden, inter = 3, 12, 128, 32
+    x, w13, counts = _inputs(experts, rows, hidden, 2 * inter, [5, 0, 12], torch.float32)
+    w2 = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
+    scales = None
+    if fp8:
+        q, scales = quantize_fp8(x.view(-1, hidden).cpu(), 128)
+        x, scales = q.view(experts, rows, hidden).to(DEVICE), scales.view(experts, rows, 1).to(DEVICE)
+    out = torch.full((experts, rows, hidden), FILL, device=DEVICE)
+    assert gated_mlp(x, w13, w2, counts, scales, activation=activation, out=out, packed_rows=20, kernels=True) is out
+    expected = gated_mlp(x, w13, w2, counts, scales, activation=activation, kernels=False)
+    _check_capacity(out, expected, counts, _tolerance(torch.float32))
 
 
 def test_tiles_override():

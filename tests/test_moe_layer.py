@@ -175,10 +175,9 @@ def _experts_on_kernels(rank, world):
         rows = world * layer.max_tokens
         recv_x = torch.randn(layer.experts_per_rank, rows, 128, generator=g).to(device)
         counts = torch.tensor([0, rows, 1, 5][:layer.experts_per_rank], dtype=torch.int32, device=device)
-        weights = layer.quantize_experts() if fp8_experts else (layer.gate_up_proj, None, layer.down_proj, None)
-        out = layer._run_experts_on_kernels(recv_x, None, counts, 2.0, *weights)
-        expected = layer._run_experts_in_torch(recv_x, None, counts, *weights)
-        exact = layer._run_experts_in_torch(recv_x, None, counts, layer.gate_up_proj, None, layer.down_proj, None)
+        out = layer.run_experts(recv_x, None, counts, 2.0, kernels=True)
+        expected = layer.run_experts(recv_x, None, counts, kernels=False)
+        exact = layer.run_experts(recv_x, None, counts, fp8_experts=False, kernels=False)
         for e, count in enumerate(counts.tolist()):
             if count:
                 error = ((out[e, :count] - expected[e, :count]).norm() / expected[e, :count].norm()).item()

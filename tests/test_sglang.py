@@ -42,7 +42,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_exec, get_flags, get_parallel  # noqa: E402
 
 from moe_ep.integrations import sglang as moe_ep_sglang  # noqa: E402
-from moe_ep.kernels.grouped_gemm import grouped_gemm_reference  # noqa: E402
+from moe_ep.kernels.grouped_gemm import gated_mlp  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, MAX_TOKENS = 8, 32, 16, 6
 
@@ -99,8 +99,8 @@ def run_experts(dispatch_output, w13, w2, dtype):
     """This rank's experts on the low-latency layout: silu(gate) * up, then down, on each expert's first
     masked_m rows (moe_ep's plain-torch grouped GEMM), as SGLang's DeepGEMM runner computes them."""
     x, scales, ids, weights, counts, _ = dispatch_output
-    h = grouped_gemm_reference(x, w13, counts, scales, moe_ep_sglang.FP8_BLOCK, "silu", out_dtype=dtype)
-    return DeepEPLLCombineInput(grouped_gemm_reference(h, w2, counts, out_dtype=dtype), ids, weights)
+    return DeepEPLLCombineInput(gated_mlp(x, w13, w2, counts, scales, moe_ep_sglang.FP8_BLOCK, out_dtype=dtype), ids,
+                                weights)
 
 
 def moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights):

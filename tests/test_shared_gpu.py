@@ -51,10 +51,12 @@ def one_gpu(monkeypatch):
     record = {}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: record.update(device=device))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **options: record.update(backend=backend, **options))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **options: record.update(backend=backend, **options))
     monkeypatch.delenv(mps.SHARE_VARIABLE, raising=False)
     return record
 
@@ -73,7 +75,7 @@ def test_init_distributed_picks_device_and_backend(one_gpu, monkeypatch, local_r
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     assert runtime.init_distributed() == torch.device("cuda", device)
     assert one_gpu["backend"] == backend and one_gpu["device"] == torch.device("cuda", device)
-    assert ("device_id" in one_gpu) == (backend == "nccl")       # NCCL binds the GPU; gloo cannot take ranks that share one
+    assert ("device_id" in one_gpu) == (backend == "nccl")   # NCCL binds the GPU; gloo can't take ranks that share one
     assert os.environ.get(mps.SHARE_VARIABLE) == share
 
 
@@ -92,7 +94,8 @@ def test_usable_sms_is_the_share(one_gpu, monkeypatch):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
         assert runtime.usable_sms() == sms
     monkeypatch.setenv(mps.SHARE_VARIABLE, "12")               # given: the device reports the share (seen on an H200)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=16))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=16))
     assert runtime.usable_sms() == 16
 
 

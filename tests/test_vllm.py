@@ -71,7 +71,8 @@ def apply(kernel, w1, w2, x, ids, weights, on_input):
 def _against_batched(rank, world, tokens_per_rank, topk, drop, on_input, backend="reference"):
     """fp32 on CPU (within its rounding); bf16 on the GPU, where both sides' GEMMs round to bf16."""
     gpu = backend == "nvshmem"
-    device, dtype, hidden, tolerance = ("cuda", torch.bfloat16, 128, 2e-2) if gpu else ("cpu", torch.float32, HIDDEN, 1e-5)
+    device, dtype, hidden, tolerance = (("cuda", torch.bfloat16, 128, 2e-2) if gpu else
+                                        ("cpu", torch.float32, HIDDEN, 1e-5))
     w1, w2, x, ids, weights = inputs(rank, tokens_per_rank[rank], topk, drop, hidden, dtype, device)
     config = moe_config(world, rank, topk, hidden, dtype, device=device)
     prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, None, backend=backend)

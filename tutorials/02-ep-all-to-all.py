@@ -18,16 +18,19 @@ layer shape and launches the kernels:
   and sends one row per (token, rank) back; the source adds the ranks' rows.
 
 The kernels move one token row per work item and send one signal per peer and call: the fewest
-steps between a call and its result. A call picks its launches by size: the decode step below
-runs send and receive in one kernel launch (half the launches, so less CPU time a call); the
-prefill step (more than 512 tokens a rank) takes a send and a receive kernel with larger work
-items, where the GPU time is what counts; a call with ``return_recv_hook=True`` always takes the
-two. ``num_sms`` bounds the SMs they take, to leave room for a GEMM running beside them.
+steps between a call and its result. Dispatch's ``mode`` picks its kernels, by size with the
+default "auto": the decode step below runs send and receive in one kernel launch (half the
+launches, so less CPU time a call); the prefill step (more than 512 tokens a rank) takes a send
+and a receive kernel with larger work items, where the GPU time is what counts. ``mode="decode"``
+or ``"prefill"`` asks for one plan whatever the size; a call with ``return_recv_hook=True`` takes
+the send and receive kernels of its mode. ``num_sms`` bounds the SMs they take, to leave room for
+a GEMM running beside them.
 
 This tutorial runs a decode-sized step and a prefill-sized one on at most 64 SMs with a toy
 expert (dequantize, scale by expert), checks both against ``moe_ep.reference`` (the same contract
-on ``torch.distributed.all_to_all_single``) and, on GPUs with one rank each, times them. Without GPUs the reference backend runs on gloo and
-nothing is timed: gloo on CPU says nothing about GPU speed.
+on ``torch.distributed.all_to_all_single``) and, on GPUs with one rank each, times them. Without
+GPUs the reference backend runs on gloo and nothing is timed: gloo on CPU says nothing about GPU
+speed.
 """
 import torch
 import torch.distributed as dist

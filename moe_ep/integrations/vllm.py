@@ -35,7 +35,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeig
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 from ..ep import EPAllToAll
-from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from ..kernels.grouped_gemm import gated_mlp
 from . import FP8_BLOCK, all_to_all, check_local_experts
 
 VLLM_VERSION = "0.33.0"
@@ -195,10 +195,11 @@ def _nothing() -> None:
 
 
 class GroupedGemmExperts(mk.FusedMoEExpertsModular):
-    """Gated-MLP experts on the batched format as two masked grouped GEMMs (moe_ep.kernels.grouped_gemm
-    on CUDA, its plain-torch reference elsewhere): w1 [E_loc, 2I, H] (gate rows, then up), w2 [E_loc, H, I],
-    unquantized; rows are FP8 with per-128 scales or the activations' dtype. Only rows below the counts
-    are computed; act(gate) * up is applied in the first GEMM's epilogue (silu, gelu)."""
+    """Gated-MLP experts on the batched format as two masked grouped GEMMs (moe_ep.kernels.grouped_gemm's
+    gated_mlp: the kernels on CUDA, their plain-torch reference elsewhere): w1 [E_loc, 2I, H] (gate rows,
+    then up), w2 [E_loc, H, I], unquantized; rows are FP8 with per-128 scales or the activations' dtype.
+    Only rows below the counts are computed; act(gate) * up is applied in the first GEMM's epilogue
+    (silu, gelu)."""
 
     ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu"}
 
@@ -238,15 +239,8 @@ class GroupedGemmExperts(mk.FusedMoEExpertsModular):
               apply_router_weight_on_input) -> None:
         if activation not in self.ACTIVATIONS:
             raise ValueError(f"GroupedGemmExperts supports {[a.value for a in self.ACTIVATIONS]}, got {activation}")
-        act, counts = self.ACTIVATIONS[activation], expert_tokens_meta.expert_num_tokens
-        if not hidden_states.is_cuda:
-            h = grouped_gemm_reference(hidden_states, w1, counts, a1q_scale, FP8_BLOCK, act, out_dtype=output.dtype)
-            output.copy_(grouped_gemm_reference(h, w2, counts, out_dtype=output.dtype))
-            return
-        experts, rows, _ = hidden_states.shape
-        h = torch.empty((experts, rows, w2.shape[2]), dtype=output.dtype, device=hidden_states.device)
-        grouped_gemm(hidden_states, w1, counts, a1q_scale, FP8_BLOCK, out=h, activation=act)
-        grouped_gemm(h, w2, counts, out=output)
+        gated_mlp(hidden_states, w1, w2, expert_tokens_meta.expert_num_tokens, a1q_scale, FP8_BLOCK,
+                  self.ACTIVATIONS[activation], out=output)
 
 
 # ------------------------------------------------------------------------------------ the plugin

@@ -195,9 +195,9 @@ def grouped_gemm_kernel(a_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, counts_pt
 def tile_config(rows_per_expert: float, fp8_group: int | None = None, gated: bool = False,
                 fp8_weights: bool = False, a_bytes: int = 2, w_bytes: int = 2) -> dict:
     """The TILE_CONFIGS entry for `rows_per_expert` expected rows (and FP8 weights or not); BLOCK_N at
-    most 128 and halved for the gated form (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights (the rows' quantization group then),
-    capped at the group of FP8 rows; as many stages as fit STAGE_MEMORY with a's and w's element
-    sizes (fp32 operands fit half as many as bf16)."""
+    most 128 and halved for the gated form (two accumulators); BLOCK_K = WEIGHT_BLOCK for FP8 weights
+    (the rows' quantization group then), capped at the group of FP8 rows; as many stages as fit
+    STAGE_MEMORY with a's and w's element sizes (fp32 operands fit half as many as bf16)."""
     shape_class = "decode" if rows_per_expert <= DECODE_ROWS else "prefill_fp8_weights" if fp8_weights else "prefill"
     config = dict(TILE_CONFIGS[shape_class])
     if gated:
@@ -329,3 +329,45 @@ def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tenso
             y = act(gate) * up
         out[e, :count] = y.to(out_dtype)
     return out
+
+
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+              scales: torch.Tensor | None = None, group: int = 128, activation="silu",
+              w13_scales: torch.Tensor | None = None, w2_scales: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, packed_rows: int | None = None,
+              rows_per_expert: float | None = None, kernels: bool | None = None) -> torch.Tensor:
+    """Every expert's gated MLP on the rows dispatch delivers: act(x @ gate.T) * (x @ up.T) @ w2[e].T
+    for the first counts[e] rows of expert e.
+
+    x [E, R, H] (FP8 with scales [E, R, H / group], or bf16/fp16/fp32); w13 [E, 2I, H] (gate rows, then
+    up), w2 [E, H, I]: in x's dtype, or FP8 with w13_scales / w2_scales (``quant.quantize_weights_fp8``);
+    activation: a name of ACTIVATIONS (applied in the first GEMM's epilogue) or a callable (applied in
+    torch). Returns out [E, R, H] (made in out_dtype if not given: default w13's dtype, bf16 for FP8
+    weights).
+
+    kernels (default: x on CUDA; the Triton interpreter runs them on CPU tensors): two grouped GEMMs,
+    the intermediate packed into packed_rows rows (default E * R, as many as could be counted; fewer
+    where the caller knows a bound), rows past the counts left as out held them; rows_per_expert picks
+    the tile shapes. Otherwise grouped_gemm_reference in fp32, rows past the counts zero.
+    """
+    if out is not None:
+        out_dtype = out.dtype
+    if not (x.is_cuda if kernels is None else kernels):
+        h = grouped_gemm_reference(x, w13, counts, scales, group, activation, w13_scales, out_dtype)
+        y = grouped_gemm_reference(h, w2, counts, w_scales=w2_scales, out_dtype=out_dtype)
+        return y if out is None else out.copy_(y)
+    experts, rows, _ = x.shape
+    dtype = out_dtype or (torch.bfloat16 if w13.dtype == torch.float8_e4m3fn else w13.dtype)
+    gemm = dict(counts=counts, rows_per_expert=rows_per_expert)
+    first = dict(scales=scales, group=group, w_scales=w13_scales, **gemm)
+    packed_rows = experts * rows if packed_rows is None else packed_rows
+    if isinstance(activation, str):
+        h = torch.empty((packed_rows, w13.shape[1] // 2), dtype=dtype, device=x.device)
+        grouped_gemm(x, w13, out=h, activation=activation, **first)
+    else:
+        gate_up = torch.empty((packed_rows, w13.shape[1]), dtype=dtype, device=x.device)
+        gate, up = grouped_gemm(x, w13, out=gate_up, **first).chunk(2, dim=-1)
+        h = activation(gate) * up
+    if out is None:
+        out = torch.empty((experts, rows, w2.shape[1]), dtype=dtype, device=x.device)
+    return grouped_gemm(h, w2, out=out, w_scales=w2_scales, **gemm)

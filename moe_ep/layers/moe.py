@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPAllToAll
-from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, grouped_gemm, grouped_gemm_reference
+from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, gated_mlp
 from ..kernels.quant import quantize_weights_fp8
 
 
@@ -105,47 +105,26 @@ class EPMoE(nn.Module):
         return y
 
     def run_experts(self, recv_x, recv_scales, recv_count, rows_per_expert: float | None = None,
-                    fp8_experts: bool | None = None) -> torch.Tensor:
+                    fp8_experts: bool | None = None, kernels: bool | None = None) -> torch.Tensor:
         """The local gated MLPs on dispatch's layout: recv_x [E_loc, R, H] (FP8 with recv_scales
         [E_loc, R, H / fp8_group], or the weights' dtype), recv_count [E_loc] int32 -> [E_loc, R, H].
 
         Only rows below the counts are read or written (rows past them hold garbage combine never
         reads); the intermediate act(gate) * up is packed: [R * min(K, E_loc), I], the most rows
         dispatch can deliver. rows_per_expert (expected) picks the GEMM tile shapes; fp8_experts
-        (default: the layer's) picks the FP8 weights.
+        (default: the layer's) picks the FP8 weights; kernels (default: recv_x on CUDA) the grouped GEMM
+        kernels over their plain-torch form (kernels.grouped_gemm.gated_mlp).
         """
         fp8 = self.fp8_experts if fp8_experts is None else fp8_experts
         if fp8:
             gate_up, gate_up_scales, down, down_scales = self._fp8_weights or self.quantize_experts()
         else:
             gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
-        weights = (gate_up, gate_up_scales, down, down_scales)
-        if recv_x.is_cuda:
-            return self._run_experts_on_kernels(recv_x, recv_scales, recv_count, rows_per_expert, *weights)
-        return self._run_experts_in_torch(recv_x, recv_scales, recv_count, *weights)
-
-    def _run_experts_in_torch(self, recv_x, recv_scales, recv_count, gate_up, gate_up_scales, down, down_scales):
-        dtype = self.gate_up_proj.dtype
-        h = grouped_gemm_reference(recv_x, gate_up, recv_count, recv_scales, self.fp8_group,
-                                   self._fused_activation or self.activation, gate_up_scales, dtype)
-        return grouped_gemm_reference(h, down, recv_count, w_scales=down_scales, out_dtype=dtype)
-
-    def _run_experts_on_kernels(self, recv_x, recv_scales, recv_count, rows_per_expert, gate_up, gate_up_scales,
-                                down, down_scales):
-        experts, rows, _ = recv_x.shape
-        dtype = self.gate_up_proj.dtype
-        gemm = dict(counts=recv_count, rows_per_expert=rows_per_expert)
-        first = dict(scales=recv_scales, group=self.fp8_group, w_scales=gate_up_scales, **gemm)
-        packed_rows = rows * min(self.topk, experts)
-        if self._fused_activation:
-            h = torch.empty((packed_rows, self.intermediate), dtype=dtype, device=recv_x.device)
-            grouped_gemm(recv_x, gate_up, out=h, activation=self._fused_activation, **first)
-        else:
-            gate_up_rows = torch.empty((packed_rows, 2 * self.intermediate), dtype=dtype, device=recv_x.device)
-            gate, up = grouped_gemm(recv_x, gate_up, out=gate_up_rows, **first).chunk(2, dim=-1)
-            h = self.activation(gate) * up
-        out = torch.empty((experts, rows, self.hidden), dtype=dtype, device=recv_x.device)
-        return grouped_gemm(h, down, out=out, w_scales=down_scales, **gemm)
+        packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
+        return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
+                         self._fused_activation or self.activation, gate_up_scales, down_scales,
+                         out_dtype=self.gate_up_proj.dtype, packed_rows=packed_rows, rows_per_expert=rows_per_expert,
+                         kernels=kernels)
 
     def quantize_experts(self) -> tuple:
         """Quantize this rank's expert weights to FP8 (128 x 128 blocks) for fp8_experts; returns and
