@@ -99,8 +99,8 @@ def run_experts(dispatch_output, w13, w2, dtype):
     """This rank's experts on the low-latency layout: silu(gate) * up, then down, on each expert's first
     masked_m rows (moe_ep's plain-torch grouped GEMM), as SGLang's DeepGEMM runner computes them."""
     x, scales, ids, weights, counts, _ = dispatch_output
-    return DeepEPLLCombineInput(gated_mlp(x, w13, w2, counts, scales, moe_ep_sglang.FP8_BLOCK, out_dtype=dtype), ids,
-                                weights)
+    y = gated_mlp(x, w13, w2, counts, scales, moe_ep_sglang.FP8_BLOCK, out_dtype=dtype, kernels=False)
+    return DeepEPLLCombineInput(y, ids, weights)
 
 
 def moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights):
