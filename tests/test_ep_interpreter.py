@@ -14,6 +14,7 @@ import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from moe_ep import EPAllToAll, launcher
+from moe_ep.ep_low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
 from moe_ep.ep_protocol import MODES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -101,7 +102,7 @@ def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
     with pytest.raises(ValueError, match="mode must be one of"):
         ep.dispatch(*make_inputs(0, [2], hidden, experts, topk, seed=0), mode="bulk")
     assert not launched and ep._dispatches == 0
-    decode, prefill = 2048 // group, 4096 // group            # scale groups a work item (CHUNK_COLUMNS)
+    decode, prefill = CHUNK_COLUMNS // group, PREFILL_CHUNK_COLUMNS // group   # scale groups a work item
     calls = [(5, "auto"), (0, "prefill"), (6, "decode"), (1, "auto"), (3, "prefill"), (4, "auto"), (2, "decode"),
              (6, "auto")]
     for call, (t, mode) in enumerate(calls):
