@@ -145,53 +145,49 @@ class LowLatency(EPProtocol):
         dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
         combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)
         group = c.fp8_group or 128
-        quantize = dict(FP8=c.fp8_group is not None, GROUP=group, BLOCK_GROUPS=CHUNK_COLUMNS // group)
+        quantize = dict(FP8=c.fp8_group is not None, GROUP=group)
         # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}
-        self._dispatch_send, self._dispatch_recv = self._split_dispatch("", dispatch_peers, quantize, early)
-        prefill = dict(quantize, BLOCK_GROUPS=PREFILL_CHUNK_COLUMNS // group)
-        self._prefill = self._split_dispatch("_prefill", dispatch_peers, prefill, early)
-        self._combine_send = {(s, ds): self.bind(
-            "combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
-            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
-            kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed, BLOCK_H=COMBINE_COLUMNS,
-            num_warps=4, enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
-            for s in range(SLOTS) for ds in range(SLOTS)}
-        self._combine_recv = [self.bind(
-            "combine_recv", kernels.combine_recv_kernel, s, ("out_ptr", "ids_ptr", "num_tokens"),
-            data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4,
-            **early) for s in range(SLOTS)]
-        self._dispatch = [self.bind(
-            "dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS,
-            peers=dispatch_peers, freed_ptr=d.freed, data_ptr=d.data, scale_ptr=d.scales, staged_ids_ptr=d.ids,
-            staged_w_ptr=d.weights, pos_ptr=d.positions, count_ptr=d.counts, tokens_ptr=d.tokens,
-            arrived_ptr=d.arrived, recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s],
-            recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s],
-            kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s],
-            num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts, BLOCK_I=self.layout_ids,
-            VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
-        self._combine = {(s, ds): self.bind(
-            "combine", kernels.combine_kernel, s, ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
-            kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
-            kept_tokens_ptr=d.kept_tokens[ds], data_ptr=cb.data, arrived_ptr=cb.arrived, freed_ptr=cb.freed,
-            peers=combine_peers, BLOCK_H=COMBINE_COLUMNS, num_warps=4, enable_fp_fusion=False)
-            for s in range(SLOTS) for ds in range(SLOTS)}
+        # What each phase binds, shared by its split kernel and the one-launch kernel of its op: dispatch's
+        # send; dispatch's receive per slot (its staging, the staged ids and weights named apart, the outputs);
+        # combine's send per dispatch slot; combine's receive.
+        send = dict(peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts,
+                    EXPERTS_BLOCK=self.layout_experts, BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4)
+        receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, count_ptr=d.counts,
+                        tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
+                        recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],
+                        kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
+                        kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
+        combine_send = [dict(kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
+                             kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed,
+                             BLOCK_H=COMBINE_COLUMNS, num_warps=4,
+                             enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
+                        for ds in range(SLOTS)]
+        combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS,
+                            num_warps=4)
 
-    def _split_dispatch(self, suffix: str, dispatch_peers, quantize: dict, early: dict):
-        """The send and the receive kernel of dispatch per slot, on the grids named "dispatch_send" and
-        "dispatch_recv" + suffix, with chunks of `quantize`'s BLOCK_GROUPS scale groups."""
-        c, d = self.config, self.dispatch_buffers
-        send = [self.bind(
-            f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
-            peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts, EXPERTS_BLOCK=self.layout_experts,
-            BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4, **quantize) for s in range(SLOTS)]
-        recv = [self.bind(
-            f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s,
-            data_ptr=d.data, scale_ptr=d.scales, ids_ptr=d.ids, w_ptr=d.weights, pos_ptr=d.positions,
-            count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
-            recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
-            recv_src_ptr=d.recv_src[s], kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s],
-            kept_row_ptr=d.kept_rows[s], kept_tokens_ptr=d.kept_tokens[s], num_warps=4, **quantize, **early)
-            for s in range(SLOTS)]
-        return send, recv
+        def split_dispatch(suffix: str, columns: int):
+            """Dispatch's send and receive kernels per slot, on the grids named with `suffix`, for work
+            items of `columns` columns."""
+            tiles = dict(quantize, BLOCK_GROUPS=columns // group)
+            return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS, **send,
+                               **tiles) for s in range(SLOTS)],
+                    [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
+                               w_ptr=d.weights, **receive[s], **tiles, **early) for s in range(SLOTS)])
+
+        self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
+        self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)
+        self._dispatch = [self.bind("dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS, staged_ids_ptr=d.ids,
+                                    staged_w_ptr=d.weights, **{**send, **receive[s]}, **quantize,
+                                    BLOCK_GROUPS=CHUNK_COLUMNS // group)
+                          for s in range(SLOTS)]
+        self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
+                                                 **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}
+        self._combine_recv = [self.bind("combine_recv", kernels.combine_recv_kernel, s,
+                                        ("out_ptr", "ids_ptr", "num_tokens"), **combine_recv, **early)
+                              for s in range(SLOTS)]
+        self._combine = {(s, ds): self.bind("combine", kernels.combine_kernel, s,
+                                            ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
+                                            **{**combine_send[ds], **combine_recv})
+                         for s in range(SLOTS) for ds in range(SLOTS)}

@@ -37,7 +37,8 @@ def _address(value):
 
 def resident_programs(compiled, device) -> int:
     """Programs of a compiled kernel that one SM of `device` holds at once: the least of what its
-    registers (allocated per warp, in units of 256), shared memory, threads and the block limit allow."""
+    registers (allocated per warp, in units of 256), shared memory (CUDA reserves 1 KB a block),
+    threads and the block limit (32 an SM) allow; where torch does not report a limit, Hopper's."""
     props = torch.cuda.get_device_properties(device)
     warps = compiled.metadata.num_warps
     warp_registers = -(-compiled.n_regs * 32 // 256) * 256
