@@ -74,6 +74,9 @@ class EPAllToAll(runtime.CommObject):
         timing: record per-phase device timestamps of every call, for ``breakdown()``.
         num_sms: at most this many SMs' worth of programs per kernel (None: every SM), so that the
             kernels can run beside a GEMM.
+        device: where x, topk_ids, expert_out and the outputs live. The reference backend takes any
+            device; nvshmem runs on this process's GPU only. Default: this process's GPU when the group
+            is NCCL (or ranks share a GPU), else the CPU.
     """
 
     TAGS = kernels.TAGS
@@ -81,12 +84,12 @@ class EPAllToAll(runtime.CommObject):
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
                         dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms)
-        sms = self._open(group, backend)
+        sms = self._open(group, backend, device)
         if sms is None:
             return
         self._allocate(runtime.symmetric_zeros, sms, one_launch=runtime.ranks_per_gpu() == 1)

@@ -41,7 +41,8 @@ AMAX_FLOOR = 1e-4
 
 # -- collectives --------------------------------------------------------------------------------------
 # torch.distributed's, for tensors on any device and any group backend. NCCL cannot run with several
-# ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as host copies.
+# ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as host copies; CPU tensors
+# (a model not yet moved to its GPU) cross an NCCL group as copies on this process's GPU.
 
 # Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
 # older torch has only the old names.
@@ -50,16 +51,21 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
-    """collective(*outputs, *inputs, group=group, **options); with GPU tensors on a gloo group, on host
-    copies whose results are copied back into `outputs`."""
+    """collective(*outputs, *inputs, group=group, **options); tensors on a device the group's backend does
+    not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and the
+    results are copied back into `outputs`."""
     tensors = outputs + inputs
-    if not any(t.is_cuda for t in tensors) or dist.get_backend(group) != "gloo":
+    backend = dist.get_backend(group)
+    served = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
+    if all(t.device.type in served for t in tensors):
         collective(*tensors, group=group, **options)
         return
-    host = [t.cpu() for t in tensors]
-    collective(*host, group=group, **options)
-    for t, h in zip(outputs, host):
-        t.copy_(h)
+    stage = "cuda" if "cuda" in served else "cpu"
+    staged = [t if t.device.type in served else t.to(stage) for t in tensors]
+    collective(*staged, group=group, **options)
+    for t, s in zip(outputs, staged):
+        if s is not t:
+            t.copy_(s)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,

@@ -73,16 +73,30 @@ class CommObject:
 
     TAGS: dict[int, str] = {}
 
-    def _open(self, group, backend: str) -> int | None:
+    def _open(self, group, backend: str, device=None) -> int | None:
         """Set `group` and `device`. For the nvshmem backend, start NVSHMEM and return the smallest SM
-        count in the group (grids must be the same on every rank); None for the reference backend."""
+        count in the group (grids must be the same on every rank); None for the reference backend.
+
+        `device` is where the caller's tensors live. The reference backend takes any (CPU tensors on
+        an NCCL group and GPU tensors on a gloo group cross it as copies); without one, this process's
+        GPU when the group is NCCL or ranks share a GPU, else the CPU. The nvshmem backend runs on
+        this process's GPU only: another device is a ValueError, raised before anything starts."""
         self.group = group
+        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None and gpu is not None:
+                device = gpu
         if backend == "reference":
             on_gpu = dist.get_backend(group) == "nccl" or ranks_per_gpu() > 1
-            self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            self.device = device or (gpu if on_gpu else torch.device("cpu"))
             return None
+        if device is not None and device != gpu:
+            raise ValueError(f"the nvshmem backend runs on this process's GPU ({gpu or 'none visible'}), and the "
+                             f"tensors it was built for are on {device}: move them (the model) there first, or "
+                             "use backend='reference'")
         init(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = gpu
         on = self.device if dist.get_backend(group) == "nccl" else "cpu"   # gloo with several ranks per GPU
         sms = torch.tensor([usable_sms(self.device)], device=on)
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)

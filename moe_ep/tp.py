@@ -97,18 +97,20 @@ class AsyncTP(runtime.CommObject):
         timeout_s: bound of every device-side wait.
         tile_loop: how the fused kernels load their operands, one of ``kernels.matmul.FUSED_VARIANTS``
             ("pointer", or "tma": tensor descriptors, which need a and w with 16-byte aligned rows).
+        device: where the operands and outputs live (``EPAllToAll``'s rule: any device for the
+            reference backend, this process's GPU for nvshmem).
     """
 
     TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0,
-                 tile_loop: str = DEFAULT_VARIANT):
+                 tile_loop: str = DEFAULT_VARIANT, device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_rows, max_features, dtype, backend,
                         overlap, timeout_s, tile_loop)
-        sms = self._open(group, backend)
+        sms = self._open(group, backend, device)
         if sms is None:
             return
         self._allocate(runtime.symmetric_zeros, programs=sms)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distributed import gpu_worlds, run
-from moe_ep import EPMoE, swap_moe
+from moe_ep import AsyncTP, EPAllToAll, EPMoE, swap_moe
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -255,3 +255,36 @@ def _gpu_models(rank, world, kind):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_swapped_model_on_gpus(kind, world):
     run(_gpu_models, world, kind, gpu=True, timeout=300)
+
+
+def _swapped_on_the_cpu(rank, world):
+    """The usual order on a GPU machine: swap a model that still lives on the CPU, then move it. Every
+    object built on the caller's behalf takes the device of the caller's tensors, whatever the job's
+    group is (NCCL with a GPU per rank, gloo in shared-GPU mode): verification and a reference forward
+    run on the CPU; the nvshmem all-to-all is built on the GPU at the first forward after .cuda(), and
+    gives the logits of the model swapped on the GPU, bit for bit."""
+    model = tiny_model("qwen3_moe")
+    tokens = torch.randint(0, 96, (2, 5 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        on_cpu = swap_moe(copy.deepcopy(model), backend="reference", fp8_dispatch=False, max_tokens=64)
+        assert all(p.device.type == "cpu" for p in on_cpu.parameters())
+        torch.testing.assert_close(on_cpu(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
+        model = model.to(torch.bfloat16)
+        moved = swap_moe(copy.deepcopy(model), max_tokens=64).cuda()             # the nvshmem backend
+        direct = swap_moe(copy.deepcopy(model).cuda(), max_tokens=64)
+        assert torch.equal(moved(tokens.cuda()).logits, direct(tokens.cuda()).logits)
+        layer = next(m for m in moved.modules() if isinstance(m, EPMoE))
+        assert layer._ep().device == torch.device("cuda", torch.cuda.current_device()) and layer.backend == "nvshmem"
+
+        tp = AsyncTP(8 * world, 32, backend="reference", dtype=torch.float32, device="cpu")
+        shards = [torch.randn(8, 32, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        w = torch.randn(32, 16, generator=torch.Generator().manual_seed(99))
+        torch.testing.assert_close(tp.ag_gemm(shards[rank], w), torch.cat(shards) @ w)
+    with pytest.raises(ValueError, match=r"nvshmem backend runs on this process's GPU .* on cpu"):
+        EPAllToAll(16, 64, 8, 2, device="cpu")
+
+
+@pytest.mark.gpu
+@gpu_worlds
+def test_model_swapped_on_the_cpu_with_a_gpu_visible(world):
+    run(_swapped_on_the_cpu, world, gpu=True, timeout=300)

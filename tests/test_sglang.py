@@ -125,7 +125,8 @@ def _against_standard(rank, world, tokens_per_rank, topk, drop, make, dtype=torc
     counts = torch.bincount(ids[ids >= 0].cpu(), minlength=EXPERTS).to(device)
     dist.all_reduce(counts)
     assert out.masked_m.tolist() == counts[rank * EXPERTS // world:(rank + 1) * EXPERTS // world].tolist()
-    assert make(runner_config(world, topk, hidden, dtype)).ep is dispatcher.ep      # a second layer shares it
+    assert make(runner_config(world, topk, hidden, dtype)).all_to_all(x.device) is dispatcher.all_to_all(x.device), \
+        "a second layer of the shape shares its EPAllToAll"
 
 
 def _hooked_factory(config):

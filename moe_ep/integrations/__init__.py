@@ -20,13 +20,14 @@ _ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
 
 
 def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
-               group=None, backend: str = "nvshmem") -> EPAllToAll:
-    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`), made on
-    first use (collective then) and shared after: an engine's MoE layers of one shape share one."""
-    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend)
+               group=None, backend: str = "nvshmem", device: torch.device | None = None) -> EPAllToAll:
+    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`) for tensors
+    on `device` (None: EPAllToAll's default), made on first use (collective then) and shared after: an
+    engine's MoE layers of one shape share one."""
+    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend, device)
     if key not in _ALL_TO_ALLS:
         _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
-                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend)
+                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend, device=device)
     return _ALL_TO_ALLS[key]
 
 

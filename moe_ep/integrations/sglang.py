@@ -133,13 +133,12 @@ class MoeEpDispatcher(BaseDispatcher):
                      FP8_BLOCK, self.backend)
         return fp8
 
-    @property
-    def ep(self) -> EPAllToAll:
-        """The EPAllToAll of this layer's shape, shared with the other layers of that shape (collective
-        when the first of them dispatches)."""
-        if self._ep is None:
+    def all_to_all(self, device: torch.device) -> EPAllToAll:
+        """The EPAllToAll of this layer's shape for tokens on `device`, shared with the other layers of that
+        shape (collective when the first of them dispatches)."""
+        if self._ep is None or self._ep.device != device:
             self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype, self.fp8,
-                                  self.group, self.backend)
+                                  self.group, self.backend, device)
         return self._ep
 
     def _take(self, half: str, subbatch: int | None, expected: str) -> tuple:
@@ -168,8 +167,8 @@ class MoeEpDispatcher(BaseDispatcher):
                              f"got {type(topk_output).__name__}")
         self._take("dispatch_a", tbo_subbatch_index, "idle")
         topk_ids, topk_weights = topk_output.topk_ids, topk_output.topk_weights
-        *received, hook = self.ep.dispatch(hidden_states.contiguous(), topk_ids.contiguous(),
-                                           topk_weights.contiguous(), return_recv_hook=True)
+        *received, hook = self.all_to_all(hidden_states.device).dispatch(
+            hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), return_recv_hook=True)
         tokens = hidden_states.shape[0]
         expected_m = (tokens * self.world * self.topk + self.num_experts) // self.num_experts   # DeepEP's hint
         self._put(tbo_subbatch_index, "dispatching", (*received, hook, topk_ids, topk_weights, expected_m))
@@ -201,7 +200,7 @@ class MoeEpDispatcher(BaseDispatcher):
                                  "the dispatch's with the tokens and applies them in the combine")
         # A tensor of its own: layers of one shape share the EPAllToAll, whose combine buffers return two calls later.
         out = torch.empty((handle.num_tokens, self.hidden), dtype=self.dtype, device=combine_input.hidden_states.device)
-        y, hook = self.ep.combine(combine_input.hidden_states, handle, return_recv_hook=True, out=out)
+        y, hook = self._ep.combine(combine_input.hidden_states, handle, return_recv_hook=True, out=out)
         self._put(tbo_subbatch_index, "combining", (y, hook))
 
     def combine_b(self, tbo_subbatch_index: int | None = None) -> torch.Tensor:

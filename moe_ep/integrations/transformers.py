@@ -125,7 +125,7 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
     generator = torch.Generator().manual_seed(1000 + dist.get_rank(layer.group))
     probe = torch.randn(PROBE_TOKENS, layer.hidden, generator=generator).to(device, dtype)
     ep = EPAllToAll(PROBE_TOKENS, layer.hidden, layer.num_experts, layer.topk, group=layer.group, dtype=dtype,
-                    fp8_dispatch=False, backend="reference")
+                    fp8_dispatch=False, backend="reference", device=device)
     training = block.training
     block.eval()                    # no router jitter or dropout: the block as it runs in inference
     try:

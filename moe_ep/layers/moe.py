@@ -117,7 +117,9 @@ class EPMoE(nn.Module):
         """
         fp8 = self.fp8_experts if fp8_experts is None else fp8_experts
         if fp8:
-            gate_up, gate_up_scales, down, down_scales = self._fp8_weights or self.quantize_experts()
+            if self._fp8_weights is None or self._fp8_weights[0].device != self.gate_up_proj.device:
+                self.quantize_experts()
+            gate_up, gate_up_scales, down, down_scales = self._fp8_weights
         else:
             gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
         packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
@@ -135,10 +137,14 @@ class EPMoE(nn.Module):
         return self._fp8_weights
 
     def _ep(self) -> EPAllToAll:
-        if self._all_to_all is None:
+        """The layer's all-to-all, built at the first forward on the device the weights are on then (a
+        model swapped on the CPU and moved to its GPU afterwards gets it there). A reference one follows
+        the weights when they move; an nvshmem one stays on this process's GPU."""
+        device = self.gate_up_proj.device
+        if self._all_to_all is None or (self.backend == "reference" and self._all_to_all.device != device):
             self._all_to_all = EPAllToAll(self.max_tokens, self.hidden, self.num_experts, self.topk, group=self.group,
                                           dtype=self.gate_up_proj.dtype, fp8_dispatch=self.fp8_dispatch,
-                                          fp8_group=self.fp8_group, backend=self.backend)
+                                          fp8_group=self.fp8_group, backend=self.backend, device=device)
         return self._all_to_all
 
 
