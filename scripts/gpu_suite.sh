@@ -1,71 +1,165 @@
 #!/usr/bin/env bash
-# The whole GPU suite and the benchmarks in one command, on any machine with a GPU:
+# The GPU tests and the benchmarks in parts, on any machine with a GPU:
 #
-#     bash scripts/gpu_suite.sh OUTDIR [tests_ep] [tests_moe] [tests_tp] [tests_cpu] [tutorials] [sweep8]
-#                                      [bench_ep] [bench_moe] [bench_gemm] [bench_tp]
+#     bash scripts/gpu_suite.sh OUTDIR [PART ...]        (default: quick)
 #
-# (default: all but sweep8). `tests_ep` runs the GPU tests of dispatch/combine and the NVSHMEM wrappers,
-# `tests_moe` those of the MoE layer, grouped GEMM, tile loop and quantization (their CPU tests too), `tests_tp` the async-TP ones,
-# `tests_cpu` the tests not marked gpu (CI runs those too), `sweep8` the dispatch/combine sweep at 8 ranks.
-# With one GPU the multi-rank tests run in shared-GPU mode: 2 and 4 ranks (MOE_EP_TEST_WORLDS overrides)
-# share the GPU under a CUDA MPS daemon that pytest and launch.sh start and stop themselves; the tutorials
-# run with 2 ranks there, and the benchmarks with one (they refuse shared GPUs: no NVLink to time).
-# A device call lasts at most 10 minutes: group parts so that each call fits, e.g. `tests_ep bench_ep`,
-# then `tests_moe tests_tp`, then `tutorials bench_moe bench_tp`.
-# Every step runs under `timeout`; logs, JSON and plots land in OUTDIR. If nvshmem4py is not
-# importable and wheels lie in .whl/, they are installed into /tmp/site first.
-# The exit status is non-zero if any step failed.
+# quick       the gate of every change that runs on a GPU: every GPU test file once, at 2 ranks (shared-GPU
+#             mode on one GPU), the sweeps at a reduced size, and the one-GPU benchmarks at their headline
+#             sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's two prefill
+#             shapes). About 8 minutes on one H200 with a warm compile cache (see below).
+# tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
+# tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
+# engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04
+# sweep8      the dispatch/combine sweep at 8 ranks
+# bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200);
+# bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
+#
+# With one GPU the multi-rank tests run in shared-GPU mode (2 and 4 ranks unless MOE_EP_TEST_WORLDS says
+# otherwise) under a CUDA MPS daemon that pytest and launch.sh start and stop themselves; the tutorials run
+# with 2 ranks there, the benchmarks with one (they refuse shared GPUs). Every step runs under `timeout`
+# with its log in OUTDIR; OUTDIR/summary.txt holds one verdict line per step and a summary line. The exit
+# status is non-zero if any step failed.
+#
+# Triton's compile cache lives in .triton_cache/ (TRITON_CACHE_DIR, ignored by git) and is packed, pruned
+# to what a later run loads, into OUTDIR/triton_cache.tar.gz at the end. Put that file in the next
+# machine's checkout as .triton_cache.tar.gz and the suite starts from it (the paths inside are rewritten
+# for the new checkout). nvshmem4py wheels in .whl/ are installed into /tmp/site when nvshmem4py is not
+# importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
+# and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-out="${1:?usage: bash scripts/gpu_suite.sh OUTDIR [tests_ep] [tests_moe] [tests_tp] [tests_cpu] [tutorials] [sweep8] [bench_ep] [bench_moe] [bench_gemm] [bench_tp]}"
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick tests_ep tests_moe tests_tp tests_cpu
+  engines tutorials sweep8 bench_ep bench_moe bench_gemm bench_tp bench_full"
+out="${1:?$usage}"
 shift
-parts="${*:-tests_ep tests_moe tests_tp tests_cpu tutorials bench_ep bench_moe bench_gemm bench_tp}"
+parts="${*:-quick}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+started=$SECONDS
 
 if ! python3 -c "import nvshmem.core" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton_cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+if [[ -f .triton_cache.tar.gz ]]; then
+  tar -xzf .triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
+fi
+# Triton names a kernel's files in its cache by absolute path: point them at this checkout's cache.
+python3 scripts/triton_cache.py relocate "$TRITON_CACHE_DIR"
+
+engines=""
+if compgen -G ".engines/*.tar.gz" >/dev/null || compgen -G ".engines/*.whl" >/dev/null; then
+  engines=/tmp/moe_ep_engines
+  mkdir -p "$engines"
+  for archive in .engines/*.tar.gz; do [[ -f $archive ]] && tar -xzf "$archive" -C "$engines"; done
+  if compgen -G ".engines/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$engines" .engines/*.whl
+  fi
+fi
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ranks=$(( gpus > 1 ? gpus : 2 ))         # the tutorials' ranks: a GPU each, or 2 sharing the one GPU
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
   echo "GPUs: $gpus; MPS control: $(command -v nvidia-cuda-mps-control || echo missing)"
-  python3 -c "import torch, triton, nvshmem; print('torch', torch.__version__, 'triton', triton.__version__, 'nvshmem4py', nvshmem.__version__)"
+  python3 -c "import torch, triton, nvshmem
+print('torch', torch.__version__, 'triton', triton.__version__, 'nvshmem4py', nvshmem.__version__)"
+  echo "engine sources: ${engines:-none}; Triton cache: $(find "$TRITON_CACHE_DIR" -name '*.json' | wc -l) files"
   env | grep -E '^(NVSHMEM|NCCL|TORCH_SYMM)' | sort; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
+: > "$out/summary.txt"
 
 failed=0
-step() {   # step NAME SECONDS command...
-  local name=$1 limit=$2
+step() {   # step NAME SECONDS command...: run under timeout, log to OUTDIR/NAME.log, one verdict line
+  local name=$1 limit=$2 begin=$SECONDS
   shift 2
   echo "== $name: $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
+  local last
+  last=$(grep -E '(passed|failed|error|skipped|deselected)( |,|$).* in [0-9.]+s' "$out/$name.log" | tail -n 1)
   tail -n 25 "$out/$name.log"
-  echo "== $name: exit $rc"
-  [[ $rc == 0 ]] || failed=1
+  local verdict=PASS
+  if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif (( rc != 0 )); then verdict=FAIL; fi
+  printf '%-7s %-22s %4ds  exit %-3s %s\n' "$verdict" "$name" $(( SECONDS - begin )) "$rc" "$last" \
+    | tee -a "$out/summary.txt"
+  [[ $verdict == PASS ]] || failed=1
 }
+mps_running() { python3 -c "import sys; sys.path.insert(0, 'moe_ep'); import mps; sys.exit(not mps.running())"; }
+shared_gpu() {   # one CUDA MPS daemon for steps that run side by side on one GPU (pytest reuses it)
+  (( gpus == 1 )) || return 0
+  mps_running && return 0
+  export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+  nvidia-cuda-mps-control -d
+  mps_started=1
+  for _ in $(seq 150); do mps_running && return 0; \
+    sleep 0.1; done
+}
+own_gpu() {   # stop the daemon shared_gpu started: benchmarks time the GPU as a plain process
+  [[ -n ${mps_started:-} ]] || return 0
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY mps_started
+}
+trap own_gpu EXIT
+lane() {   # lane NAME SECONDS command...: a step in the background; `wait` collects it
+  step "$@" > "$out/$1.lane" 2>&1 &
+}
+engine_tests() {   # the engines' GPU tests, on their sources from .engines/ (skipped without them)
+  if [[ -z $engines ]]; then
+    printf '%-7s %-22s %4ds  %s\n' SKIP engines 0 "no engine sources in .engines/" | tee -a "$out/summary.txt"
+    return
+  fi
+  step engines "$1" env PYTHONPATH="$engines:$PYTHONPATH" python3 -m pytest -q -rs -m gpu tests/test_vllm.py \
+    tests/test_sglang.py
+}
+
 for part in $parts; do
   case "$part" in
-    tests_ep) step pytest_ep 420 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_shmem_gpu.py ;;
-    tests_moe) step pytest_moe 420 python3 -m pytest -q -rs tests/test_moe_layer.py tests/test_grouped_gemm.py \
+    quick)
+      # Single-process kernel tests never wait on a peer, so they share the GPU with the multi-rank ones.
+      shared_gpu
+      lane pytest_kernels 420 python3 -m pytest -q -rs tests/test_grouped_gemm.py tests/test_matmul.py \
+        tests/test_quant.py tests/test_moe_layer.py -m "not gpu"
+      step pytest_ranks 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs -m gpu \
+        tests/test_ep_gpu.py tests/test_shmem_gpu.py tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py
+      engine_tests 180
+      wait
+      cat "$out/pytest_kernels.lane"
+      grep -qE '^PASS +pytest_kernels ' "$out/summary.txt" || failed=1
+      own_gpu
+      step bench_ep 150 bash launch.sh --nproc 1 benchmarks/bench_all_to_all.py --out "$out" --tokens 128,4096
+      step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
+      step bench_grouped 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --grouped --out "$out" ;;
+    tests_ep) step pytest_ep 540 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_shmem_gpu.py ;;
+    tests_moe) step pytest_moe 540 python3 -m pytest -q -rs tests/test_moe_layer.py tests/test_grouped_gemm.py \
                  tests/test_quant.py tests/test_matmul.py ;;
     tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;
     tests_cpu) step pytest_cpu 540 python3 -m pytest -q -rs -m "not gpu" tests ;;
+    engines) engine_tests 300 ;;
     tutorials) step tutorial01 60 bash launch.sh --nproc "$ranks" tutorials/01-ring-exchange.py
                step tutorial02 90 bash launch.sh --nproc "$ranks" tutorials/02-ep-all-to-all.py
                step tutorial03 120 bash launch.sh --nproc "$ranks" tutorials/03-swap-moe-into-a-model.py
                step tutorial04 120 bash launch.sh --nproc "$ranks" tutorials/04-async-tp.py ;;
-    sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py -k sweep ;;
-    bench_ep) step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep --breakdown ;;
-    bench_moe) step bench_moe_layer 240 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
-    bench_gemm) step bench_gemm_tile_loop 120 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --tile_loop --out "$out/tile_loop"
-                step bench_gemm_grouped 180 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --grouped --out "$out/grouped" ;;
-    bench_tp) step bench_tp 420 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
-    *) echo "unknown part: $part"; failed=1 ;;
+    sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py \
+              -k sweep ;;
+    bench_ep) step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" ;;
+    bench_moe) step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
+    bench_gemm) step bench_gemm 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out "$out" ;;
+    bench_tp) step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
+    bench_full) step bench_all_to_all_full 540 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep \
+                  --breakdown
+                step bench_gemm_full 540 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --full --out "$out" ;;
+    *) echo "unknown part: $part"; echo "$usage"; failed=1 ;;
   esac
 done
+
+python3 scripts/triton_cache.py pack "$TRITON_CACHE_DIR" "$out/triton_cache.tar.gz"
+steps=$(wc -l < "$out/summary.txt")
+passed=$(grep -cE '^(PASS|SKIP)' "$out/summary.txt")
+printf 'gpu_suite %s: %s of %s steps passed in %ds on %s\n' "$parts" "$passed" "$steps" $(( SECONDS - started )) \
+  "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" | tee -a "$out/summary.txt"
 exit $failed

@@ -203,4 +203,4 @@ def test_all_reduce_partials_that_never_land_time_out():
 
 def test_tile_loop_must_be_one_the_fused_kernels_run():
     with pytest.raises(ValueError, match="tile_loop must be one of"):
-        simulated_group(2, 8, 16, torch.float32, tile_loop="tma_ws")     # matmul's alone: its loop has no waits
+        simulated_group(2, 8, 16, torch.float32, tile_loop="tma_flat")   # matmul's alone: its loop has no waits

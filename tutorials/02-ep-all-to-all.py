@@ -47,8 +47,8 @@ def toy_experts(recv_x, recv_scales, recv_count):
     return (rows * scale[:, None, None]).bfloat16()
 
 
-def step(device, tokens, experts, num_sms=None):
-    """One dispatch -> toy experts -> combine, checked against the reference, timed."""
+def step(device, name, tokens, experts, num_sms=None):
+    """One dispatch -> toy experts -> combine, checked against the reference, timed; `name` labels what it prints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     hidden, topk = 7168, 8
     backend = "nvshmem" if device.type == "cuda" else "reference"
@@ -67,7 +67,7 @@ def step(device, tokens, experts, num_sms=None):
     y_ref = reference.combine(toy_experts(r_x, r_scales, r_count), r_handle)
     assert torch.equal(recv_count, r_count) and torch.equal(y, y_ref)
     once, per_expert = link_copies(topk_ids, ep.experts_per_rank, rank, world)
-    print(f"rank {rank}, {tokens} tokens: {int(recv_count.sum())} expert rows received; combine matches "
+    print(f"rank {rank}, {name} step, {tokens} tokens: {int(recv_count.sum())} expert rows received; combine matches "
           f"the reference; {once} token copies left this rank (one per (token, expert) would be {per_expert})")
 
     skipped = why_untimed(device)
@@ -77,19 +77,19 @@ def step(device, tokens, experts, num_sms=None):
         *_, handle = ep.dispatch(x, topk_ids, topk_weights)
         combine_us = median_us(lambda: ep.combine(out, handle))
         if rank == 0:
-            print(f"{tokens} tokens: dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
+            print(f"{name} step, {tokens} tokens: dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call "
                   f"(eager, CUDA events)")
     elif rank == 0:
-        print(f"{tokens} tokens: timing skipped: {skipped}")
+        print(f"{name} step, {tokens} tokens: timing skipped: {skipped}")
     ep.destroy()
 
 
 def main():
     device = runtime.init_distributed()
-    step(device, 128, 256)                            # decode: a few tokens per rank, every microsecond counts
+    step(device, "decode", 128, 256)                  # a few tokens per rank: every microsecond counts
     # prefill: bandwidth, on at most 64 SMs' worth of programs (fewer experts keep the toy experts' fp32
     # copy of recv_x [E_loc, W * T, H] small; the reference backend on CPU takes fewer tokens)
-    step(device, 1024 if device.type == "cuda" else 128, 64, num_sms=64)
+    step(device, "prefill", 1024 if device.type == "cuda" else 128, 64, num_sms=64)
 
 
 if __name__ == "__main__":

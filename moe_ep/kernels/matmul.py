@@ -15,10 +15,11 @@ A tile is computed one of two ways (``VARIANTS``):
 Output tiles are stored with pointers in every variant: the fused kernels store a shard's tiles
 into row ranges of a larger buffer, or into a peer's, where a descriptor's box would overwrite the
 next shard's rows. ``matmul`` can also flatten the tile loop and the K loop into one pipelined loop
-(the next tile's loads start during this tile's last dots) or warp-specialize it (producer warps
-issue the copies, consumer warps the dots); the fused kernels, whose tile loops wait on flags and
-store to peers, take FUSED_VARIANTS only. Until bench_gemm.py has measured them on Hopper the
-descriptor variants are candidates: DEFAULT_VARIANT stays the pointer loop.
+(the next tile's loads start during this tile's last dots); the fused kernels, whose tile loops wait
+on flags and store to peers, take FUSED_VARIANTS only. (A warp-specialized loop, triton 3.6's
+``tl.range(warp_specialize=True)``, never returned from its first call on an H200: not offered.)
+Until bench_gemm.py has measured them on Hopper the descriptor variants are candidates:
+DEFAULT_VARIANT stays the pointer loop.
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -122,16 +123,13 @@ def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl
 
 
 # How the tile loop loads and schedules (see the module docstring). TMA: tensor descriptors;
-# FLATTEN / WARP_SPECIALIZE: the options of tl.range on the tile loop; launch options here replace
-# tile_config's. Triton 3.6 warp-specializes on Hopper only with num_warps=4 (a producer warpgroup and
-# two consumer warpgroups of 4 warps; with 8 it leaves the loop as it is: seen in the compiled PTX);
+# FLATTEN: the option of tl.range on the tile loop; launch options here replace tile_config's.
 # "tma_s4": a fourth stage, which fits because output tiles are not staged in shared memory.
 VARIANTS = {
-    "pointer": dict(TMA=False, FLATTEN=False, WARP_SPECIALIZE=False),
-    "tma": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=False),
-    "tma_s4": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=False, num_stages=4),
-    "tma_flat": dict(TMA=True, FLATTEN=True, WARP_SPECIALIZE=False),
-    "tma_ws": dict(TMA=True, FLATTEN=False, WARP_SPECIALIZE=True, num_warps=4),
+    "pointer": dict(TMA=False, FLATTEN=False),
+    "tma": dict(TMA=True, FLATTEN=False),
+    "tma_s4": dict(TMA=True, FLATTEN=False, num_stages=4),
+    "tma_flat": dict(TMA=True, FLATTEN=True),
 }
 DEFAULT_VARIANT = "pointer"
 FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
@@ -169,15 +167,13 @@ def gemm_tile(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, 
 @triton.jit(do_not_specialize=["M", "programs"])
 def matmul_kernel(a, a_desc, w, w_desc, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
-                  WARP_SPECIALIZE: tl.constexpr):
+                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr):
     """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
     fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
     boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN,
-                      warp_specialize=WARP_SPECIALIZE):
+    for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M,
                         BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
@@ -217,14 +213,10 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
     shapes the fused kernels use for M rows (or `config`, a tile_config of another row count), the
     tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
-    multiples of 8 in bf16) and w with contiguous rows or columns; "tma_ws" with fp32 operands, w's
-    columns contiguous."""
+    multiples of 8 in bf16) and w with contiguous rows or columns."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     options = VARIANTS[variant]
-    if options["WARP_SPECIALIZE"] and a.element_size() == 4 and w.stride(1) == 1:
-        raise ValueError("the warp-specialized tile loop cannot take fp32 operands with w row-major (triton 3.6's "
-                         "passes fail on that tf32 dot): pass w as the .t() of a [N, K] weight, or another variant")
     (m, k), n = a.shape, w.shape[1]
     config = config or tile_config(m, n, a.element_size())
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
