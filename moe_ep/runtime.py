@@ -82,21 +82,20 @@ class CommObject:
         GPU when the group is NCCL or ranks share a GPU, else the CPU. The nvshmem backend runs on
         this process's GPU only: another device is a ValueError, raised before anything starts."""
         self.group = group
-        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if device is not None:
-            device = torch.device(device)
-            if device.type == "cuda" and device.index is None and gpu is not None:
-                device = gpu
+        device = None if device is None else torch.device(device)
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = _this_gpu()
         if backend == "reference":
             on_gpu = dist.get_backend(group) == "nccl" or ranks_per_gpu() > 1
-            self.device = device or (gpu if on_gpu else torch.device("cpu"))
+            self.device = device or (_this_gpu() if on_gpu else torch.device("cpu"))
             return None
-        if device is not None and device != gpu:
-            raise ValueError(f"the nvshmem backend runs on this process's GPU ({gpu or 'none visible'}), and the "
-                             f"tensors it was built for are on {device}: move them (the model) there first, or "
-                             "use backend='reference'")
+        if device is not None and (device.type != "cuda" or device != _this_gpu()):
+            here = _this_gpu() if torch.cuda.is_available() else "none visible"
+            raise ValueError(f"the nvshmem backend runs on this process's GPU ({here}), and the tensors it was "
+                             f"built for are on {device}: move them (the model) there first, or use "
+                             "backend='reference'")
         init(group)
-        self.device = gpu
+        self.device = _this_gpu()
         on = self.device if dist.get_backend(group) == "nccl" else "cpu"   # gloo with several ranks per GPU
         sms = torch.tensor([usable_sms(self.device)], device=on)
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
@@ -153,6 +152,11 @@ class CommObject:
 _state = {"initialized": False, "hook_installed": False, "ranks": (), "group": None}   # group: NVSHMEM's ranks
 _owned: dict[int, torch.Tensor] = {}   # data_ptr -> symmetric tensor this module allocated
 _modules: list[int] = []               # CUmodule handles of compiled kernels that link NVSHMEM
+
+
+def _this_gpu() -> torch.device:
+    """This process's GPU (torch.cuda.current_device, which init_distributed sets)."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _nvshmem():
