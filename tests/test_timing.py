@@ -1,6 +1,7 @@
 """The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, and
 --tokens."""
 import argparse
+import re
 import time
 
 import pytest
@@ -14,8 +15,8 @@ def test_heartbeat_names_a_block_that_runs_long(capsys):
         p.step("tma")
         time.sleep(0.3)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "... still on tile loop, a tp2 AG after 0 s"
-    assert lines[-1] == "... still on tile loop, a tp2 AG: tma after 0 s"
+    assert re.fullmatch(r"\.\.\. still on tile loop, a tp2 AG after \d s", lines[0]), lines
+    assert re.fullmatch(r"\.\.\. still on tile loop, a tp2 AG: tma after \d s", lines[-1]), lines
     time.sleep(0.15)
     assert capsys.readouterr().out == "", "the heartbeat must stop with its block"
 
