@@ -91,8 +91,8 @@ class Progress:
     """``with Progress(label) as p:`` around one row's measurement. While the block runs, rank 0 prints
     '... still on <label> after N s' every `every` seconds (flushed, from a daemon thread), so that a
     slow compile or a hung kernel names itself. ``p.step(name)`` names the part the block is on (the
-    heartbeat then says '<label>: <name>'); ``p.report(line)`` prints a finished row's line on rank 0
-    with the seconds it took."""
+    heartbeat then says '<label>: <name>'); ``p.report(text)`` prints a finished row's line (or a few
+    rows' lines) on rank 0 with the seconds the block took."""
 
     def __init__(self, label: str, every: float = HEARTBEAT_S):
         self.label, self.on, self.every = label, label, every
