@@ -1,6 +1,6 @@
 """Async TP: all-gather GEMM and GEMM reduce-scatter against the plain path and PyTorch's fused ops, in one run.
 
-    bash launch.sh benchmarks/bench_tp.py --out OUTDIR          # 2 GPUs or more
+    bash launch.sh benchmarks/bench_tp.py --out OUTDIR
 
 Every shape of SHAPES for each op: about 30-70 s on two H200s with cold compiles (estimated: the
 numbers are beside SHAPES).
