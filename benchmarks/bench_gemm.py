@@ -205,7 +205,7 @@ def main():
     if not args.grouped:
         rows = results["tile_loop"]
         for variants in passes:
-            print(f"tile loop: {', '.join(variants)} (compiled on the first shape), every shape", flush=True)
+            print(f"tile loop, {', '.join(variants)}: every shape (the first compiles them)", flush=True)
             for i, (label, m, k, n) in enumerate(tp_shapes()):
                 if i == len(rows):
                     rows.append({"shape": label, "M": m, "K": k, "N": n})

@@ -111,9 +111,9 @@ class Progress:
     def step(self, name: str) -> None:
         self.on = f"{self.label}: {name}"
 
-    def report(self, line: str) -> None:
+    def report(self, text: str) -> None:
         if on_rank0():
-            print(f"{line}  [{self.seconds:.1f} s]", flush=True)
+            print(f"{text}  [{self.seconds:.1f} s]", flush=True)
 
     def __enter__(self) -> "Progress":
         if on_rank0():
