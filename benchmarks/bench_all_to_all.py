@@ -1,10 +1,12 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
-    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--sweep] [--breakdown]
+    bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--tokens N,N,...] [--sweep] [--breakdown]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
-combine. Settings: decode (16, 128, 512 tokens per rank) and prefill (4096). Timings of ours:
+combine. Settings (--tokens, tokens per rank): decode (16, 128, 512) and prefill (4096) by default,
+every column below for each; about 35-60 s on one H200 or two with cold compiles (estimated: the
+numbers are beside DECODE). Timings of ours:
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
             (dispatch: of mode "auto", and of "decode" and "prefill" each, where the crossover shows)
   eager     one call after a barrier, CUDA events; median
@@ -19,9 +21,11 @@ and, in the same process, eager:
              all_to_all_single back, an index_add)
   reference  moe_ep.reference, the test oracle (all_to_all_single of (token, expert) rows)
 Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
-destination rank) over the graph time. `--breakdown` reruns the decode settings with device
-timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32 to 2048
-tokens per rank (graph) and draws latency.png. Writes results.json and results.md under --out.
+destination rank) over the graph time. `--breakdown` reruns the decode settings (up to 512 tokens)
+with device timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32
+to 2048 tokens per rank (graph only) and draws latency.png: about 10-20 s more each (estimated).
+Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
+takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
 world (EPAllToAll.simulated), launches left out.
 """
@@ -34,10 +38,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
-from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
+from moe_ep import EPAllToAll, link_copies, random_topk, reference
+from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
+# The default settings' time on one H200 (estimated until measured; results/all_to_all_1rank.json for the
+# calls): startup with NVSHMEM 10-15 s; the EP kernels (a handful: tokens are not constexpr) 1-2 s each to
+# compile for sm_90, 10-20 s; a setting 3-6 s: 4 graphs of 26 replays (<= 2.5 ms each), two profiler runs
+# (~1 s each), 51 NCCL and 26 reference calls of each op (<= 4.7 and 8.9 ms), 101 eager calls, the host and
+# front timings (a few thousand calls of < 50 us), and at 4096 tokens 15 GB of expert rows made. 35-60 s.
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
@@ -200,7 +209,7 @@ def breakdown(ep, x, ids, weights, expert_out, iters: int) -> dict:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
-def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
+def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress: Progress) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
@@ -213,6 +222,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
 
     out = {"tokens": tokens, "programs": dict(ours.protocol.grid),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    progress.step("graphs")
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
     for mode in ("decode", "prefill"):
         call = lambda mode=mode: ours.dispatch(x, ids, weights, mode=mode)    # noqa: E731
@@ -221,14 +231,17 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
     out["combine_graph_us"] = graph_median(combine, iters // 4)
     *_, handle = ours.dispatch(x, ids, weights)
     if full:
+        progress.step("profiler")
         dist.barrier()
         out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_"])
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_kernel_us"] = kernel_time(combine, ["combine_"])
+        progress.step("NCCL baseline")
         *_, state = nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)
         out["nccl_dispatch_us"] = eager_median(lambda: nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens),
                                                iters // 2)
         out["nccl_combine_us"] = eager_median(lambda: nccl_combine(expert_out, state, tokens), iters // 2)
+        progress.step("reference")
         ref = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP, validate=False, backend="reference")
         out["reference_dispatch_us"] = eager_median(lambda: ref.dispatch(x, ids, weights), iters // 4)
         *_, ref_handle = ref.dispatch(x, ids, weights)
@@ -236,6 +249,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
         recv_count = ours.dispatch(x, ids, weights)[2]
         assert torch.equal(recv_count, nccl_dispatch(x, ids, weights, ours.experts_per_rank, tokens)[2]), \
             "the NCCL baseline routes differently"
+        progress.step("eager, host and front")
         out["dispatch_eager_us"] = eager_median(dispatch, iters)
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_eager_us"] = eager_median(combine, iters)
@@ -246,6 +260,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool) -> dict:
         out.update(front_host_us(ours, x, ids, weights, expert_out))
     ours.destroy()
     if with_breakdown:
+        progress.step("breakdown")
         timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, breakdown(timed, x, ids, weights, expert_out, iters // 2))
@@ -313,23 +328,25 @@ def main():
     if "--host-only" in sys.argv:
         host_only()
         return
-    args = benchmark_args(__doc__, iters=100, sweep="also time 32 to 2048 tokens per rank and draw latency.png",
+    args = benchmark_args(__doc__, iters=100, tokens=(*DECODE, PREFILL),
+                          sweep="also time 32 to 2048 tokens per rank (graph only) and draw latency.png",
                           breakdown="time each phase of the decode settings with device timestamps")
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": []}
-    plan = [(t, args.iters, True, args.breakdown) for t in DECODE] + [(PREFILL, args.iters // 4, True, False)]
+    plan = [(t, args.iters if t <= DECODE[-1] else args.iters // 4, True, args.breakdown and t <= DECODE[-1])
+            for t in args.tokens]
     if args.sweep:
-        plan += [(t, args.iters // 2, False, False) for t in SWEEP]
+        plan += [(t, args.iters // 2, False, False) for t in SWEEP if t not in args.tokens]
     for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
-        row = measure(tokens, iters, full, with_breakdown)
+        with Progress(f"{tokens} tokens per rank") as p:
+            row = measure(tokens, iters, full, with_breakdown, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
-            print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
-            print("\n".join(breakdown_lines(row)), flush=True)
             with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
                 json.dump({**meta, **results}, f, indent=1)
+            p.report("\n".join([row_line(row, COLUMNS, ".1f"), *breakdown_lines(row)]))
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
@@ -342,7 +359,7 @@ def main():
         with open(os.path.join(args.out, f"all_to_all_{world}ranks.md"), "w") as f:
             f.write(text)
         print(text)
-    runtime.finalize_distributed()
+    finish(args)
 
 
 if __name__ == "__main__":

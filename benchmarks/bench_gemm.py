@@ -1,13 +1,20 @@
-"""The GEMMs alone on one GPU: every candidate of the async-TP tile loop against cuBLAS, and every
-grouped-GEMM candidate against torch._grouped_mm and torch._scaled_grouped_mm, in one run.
+"""The GEMMs alone on one GPU: the async-TP tile loop against cuBLAS, and the grouped GEMM against
+torch._grouped_mm and torch._scaled_grouped_mm.
 
-    bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR   [--tile_loop | --grouped: that part only]
+    bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR [--tile_loop | --grouped] [--full]
+
+The default run (both parts; --tile_loop or --grouped: that part only) times what the library runs:
+the tile loop's FUSED_VARIANTS ("pointer", "tma") and the grouped GEMM on the table's tiles, in
+about 40-80 s on one H200 with cold compiles (estimated: tile loop 15-30 s, grouped GEMM 30-60 s;
+the numbers are above tile_loop_passes). --full adds every other variant of matmul.VARIANTS
+(after the fused ones are measured on every shape, one variant at a time, so that a variant that
+hangs costs only itself) and every grouped-GEMM tile candidate: the old default, minutes.
 
 Tile loop (moe_ep.kernels.matmul, every SM, its tile shapes): out [M, N] = a [M, K] @ w [K, N] bf16,
 w = weight.t() as nn.Linear stores it, on the per-rank shapes of bench_tp.py's prefill cases a-d at
 tp 2 and 4: all-gather GEMM (M, K, N / tp), GEMM reduce-scatter (M, K / tp, N). One column per
-variant of matmul.VARIANTS with its time, and `<variant>_vs_cublas` = cuBLAS time / its time (the
-target: >= 0.98 on every shape).
+variant with its time, and `<variant>_vs_cublas` = cuBLAS time / its time (the target: >= 0.98 on
+every shape).
 
 Grouped GEMM (moe_ep.kernels.grouped_gemm): the gate_up GEMM of DeepSeek-V3 (256 experts, hidden 7168,
 2 x 2048) and Qwen3-30B-A3B (128 experts, hidden 2048, 2 x 768), all experts on this GPU, 8/256 and
@@ -20,7 +27,8 @@ rows), `rel_error` = |ours - torch._grouped_mm (bf16)| / |torch._grouped_mm| ove
 
 Times: median of --iters calls, each timed alone with CUDA events, warm-up excluded, L2 flushed
 before every call (a 256 MB write, outside the timing) so no operand is served from L2.
-Writes gemm.json (rows appended as they are measured: a cut run keeps them) and gemm.md.
+Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
+longer); gemm.json is rewritten as rows come in (a cut run keeps them); gemm.md at the end.
 """
 import json
 import os
@@ -29,11 +37,11 @@ import torch
 import torch.distributed as dist
 from bench_moe_layer import GEMM_CASES, attempt, rowwise_fp8
 
-from moe_ep import quantize_fp8, runtime
+from moe_ep import quantize_fp8
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
-from moe_ep.kernels.matmul import VARIANTS, matmul, tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
+from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
@@ -42,6 +50,25 @@ L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
 GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tma", None, ("bf16", "fp8")),
                       *((f"tma {name}", "tma", tiles, precisions)
                         for name, (tiles, precisions) in TILE_CANDIDATES.items())]
+
+
+# What the default run costs on one H200 (estimated until measured):
+# - tile loop: one compile per variant, as all 16 shapes take the same 128 x 256 x 64 tiles and the same
+#   specializations; 0.8-2 s each for sm_90 on a CPU machine (triton 3.9), 5 s allowed here. A shape costs
+#   cuBLAS and each variant 24 calls of at most 3 ms (2 TFLOP at ~700 TFLOP/s), its operands well under
+#   1 s: 16 shapes x 2 variants, 10-20 s, 15-30 s with startup and compiles.
+# - grouped GEMM: 16 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16/FP8 x
+#   pointer/tma), 0.5-1.7 s each for sm_90 on a CPU machine (17 s together), up to 2-3 s here; 24 timed
+#   calls a candidate, the slowest 7.6 ms (DeepSeek-V3 at 256 rows, results/grouped_gemm_1gpu.json), 6-8
+#   candidates a case: about 3 s; DeepSeek-V3's 15 GB of weights made and quantized twice: seconds.
+#   With startup, 30-60 s.
+# --full: 3 more tile-loop variants, whose first shape printed nothing in 330 s with the fused ones
+# (triton 3.6: a compile or a kernel of tma_flat or tma_ws that does not end), and 4 more grouped candidates
+# at the prefill rows (4 more kernels).
+def tile_loop_passes(full: bool) -> list[tuple[str, ...]]:
+    """The tile-loop variants measured together over every shape, pass after pass: the fused kernels'
+    first, then (full) each other variant of VARIANTS alone."""
+    return [FUSED_VARIANTS, *((v,) for v in VARIANTS if full and v not in FUSED_VARIANTS)]
 
 
 def timer(iters: int):
@@ -60,14 +87,21 @@ def tp_shapes():
             yield f"{case} tp{tp} RS", m, k // tp, n
 
 
-def tp_row(label: str, m: int, k: int, n: int, time_us, programs: int) -> dict:
+def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, progress: Progress) -> None:
+    """Add to `row` (shape, M, K, N) each variant's time, its ratio to cuBLAS and its relative error
+    (its error instead where it fails), and cuBLAS's time where the row has none yet."""
+    m, k, n = row["M"], row["K"], row["N"]
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).t()
     expected = (a @ w).float()
-    row = {"shape": label, "M": m, "K": k, "N": n, "cublas_us": time_us(lambda: a @ w)}
-    row["cublas_TFLOPs"] = 2 * m * k * n / row["cublas_us"] / 1e6
+    if "cublas_us" not in row:
+        progress.step("cuBLAS")
+        row["cublas_us"] = time_us(lambda: a @ w)
+        row["cublas_TFLOPs"] = 2 * m * k * n / row["cublas_us"] / 1e6
     config = tile_config(m, n, a.element_size())
-    for variant in VARIANTS:
+    for variant in variants:
+        progress.step(variant)
+
         def run(variant=variant):
             return matmul(a, w, programs, config, variant=variant)
         error = attempt(lambda: ((run().float() - expected).norm() / expected.norm()).item())
@@ -77,7 +111,6 @@ def tp_row(label: str, m: int, k: int, n: int, time_us, programs: int) -> dict:
         row[f"{variant}_us"] = time_us(run)
         row[f"{variant}_vs_cublas"] = row["cublas_us"] / row[f"{variant}_us"]
         row[f"{variant}_rel_error"] = error
-    return row
 
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
@@ -89,8 +122,9 @@ def quantized_weights(w: torch.Tensor, experts_at_once: int = 16):
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
-def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
-    """Every candidate and baseline on the gate_up GEMM of `shape` with `rows` rows per expert."""
+def grouped_rows(name: str, shape: dict, rows: int, candidates: list, time_us, progress: Progress) -> list[dict]:
+    """Every one of `candidates` (entries of GROUPED_CANDIDATES) and the baselines on the gate_up GEMM of
+    `shape` with `rows` rows per expert."""
     experts, k, n = shape["experts"], shape["hidden"], 2 * shape["intermediate"]
     counts = torch.full((experts,), rows, dtype=torch.int32, device="cuda")
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -104,6 +138,7 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     flops = 2 * experts * rows * n * k
 
     def entry(kernel: str, fn, row_bytes: float, weight_bytes: float) -> dict:
+        progress.step(kernel)
         row = {"shape": name, "rows_per_expert": rows, "kernel": kernel}
         out = attempt(fn)
         if isinstance(out, dict):
@@ -121,7 +156,7 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     results.append(entry("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
         a8, w8, a_scale, w_scale, offs=offsets, out_dtype=torch.bfloat16), 1 + 4 / k, 1 + 4 / k))
     prefill = rows > 64
-    for label, variant, tiles, precisions in GROUPED_CANDIDATES:
+    for label, variant, tiles, precisions in candidates:
         if tiles is not None and not prefill:
             continue
         if "bf16" in precisions:
@@ -143,14 +178,19 @@ def grouped_rows(name: str, shape: dict, rows: int, time_us) -> list[dict]:
     return results
 
 
-TP_COLUMNS = ["shape", "M", "K", "N", "cublas_us", "cublas_TFLOPs",
-              *(f"{v}_{c}" for c in ("us", "vs_cublas") for v in VARIANTS), *(f"{v}_rel_error" for v in VARIANTS)]
+def tp_columns(variants) -> list[str]:
+    """The tile loop's table: cuBLAS, then the time, ratio to cuBLAS and error of each of `variants`."""
+    return ["shape", "M", "K", "N", "cublas_us", "cublas_TFLOPs",
+            *(f"{v}_{c}" for c in ("us", "vs_cublas") for v in variants), *(f"{v}_rel_error" for v in variants)]
+
+
 GROUPED_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "TBs", "vs_torch", "vs_ours_bf16",
                    "rel_error"]
 
 
 def main():
-    args = benchmark_args(__doc__, iters=20, tile_loop="the tile loop only", grouped="the grouped GEMM only")
+    args = benchmark_args(__doc__, iters=20, tile_loop="the tile loop only", grouped="the grouped GEMM only",
+                          full="every tile-loop variant and every grouped-GEMM tile candidate (minutes)")
     if dist.get_world_size() != 1:
         raise SystemExit("bench_gemm.py runs on one GPU: bash launch.sh --nproc 1 benchmarks/bench_gemm.py")
     results = {**environment(), "tile_loop": [], "grouped_gemm": []}
@@ -161,23 +201,37 @@ def main():
         with open(os.path.join(args.out, "gemm.json"), "w") as f:
             json.dump(results, f, indent=1)
 
+    passes = tile_loop_passes(args.full)
     if not args.grouped:
-        for label, m, k, n in tp_shapes():
-            results["tile_loop"].append(tp_row(label, m, k, n, time_us, programs))
-            print(json.dumps(results["tile_loop"][-1]), flush=True)
-            save()
+        rows = results["tile_loop"]
+        for variants in passes:
+            print(f"tile loop, {', '.join(variants)}: every shape (the first compiles them)", flush=True)
+            for i, (label, m, k, n) in enumerate(tp_shapes()):
+                if i == len(rows):
+                    rows.append({"shape": label, "M": m, "K": k, "N": n})
+                with Progress(f"tile loop, {label}") as p:
+                    tp_measure(rows[i], variants, time_us, programs, p)
+                save()
+                p.report(row_line(rows[i], ["shape", "cublas_us", *(f"{v}_{c}" for v in variants
+                                                                    for c in ("us", "vs_cublas"))]))
     if not args.tile_loop:
-        for name, shape, rows in GEMM_CASES:
-            results["grouped_gemm"] += grouped_rows(name, shape, rows, time_us)
+        candidates = [c for c in GROUPED_CANDIDATES if args.full or c[2] is None]
+        for name, shape, rows_per_expert in GEMM_CASES:
+            with Progress(f"grouped GEMM, {name}, {rows_per_expert} rows per expert") as p:
+                case = grouped_rows(name, shape, rows_per_expert, candidates, time_us, p)
+            results["grouped_gemm"] += case
             save()
+            p.report("\n".join(row_line(row, GROUPED_COLUMNS) for row in case))
             torch.cuda.empty_cache()
+    tables = [markdown_table(results[part], columns, ".3g") for part, columns in (
+        ("tile_loop", tp_columns([v for variants in passes for v in variants])), ("grouped_gemm", GROUPED_COLUMNS))
+        if results[part]]
     text = (f"{results['device']}, {results['date']}, torch {results['torch']}, triton {results['triton']}\n\n"
-            f"{markdown_table(results['tile_loop'], TP_COLUMNS, '.3g')}\n\n"
-            f"{markdown_table(results['grouped_gemm'], GROUPED_COLUMNS, '.3g')}\n")
+            + "\n\n".join(tables) + "\n")
     with open(os.path.join(args.out, "gemm.md"), "w") as f:
         f.write(text)
     print(text)
-    runtime.finalize_distributed()
+    finish(args)
 
 
 if __name__ == "__main__":

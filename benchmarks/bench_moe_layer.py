@@ -1,14 +1,18 @@
 """EPMoE forward and its grouped GEMM, each against its baselines in the same run.
 
-    bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR
+    bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR [--tokens N,N,...] [--full | --tune]
 
-Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16)
-at 128 and 2048 tokens per rank, split into dispatch / experts / combine, eager and replayed from
-a CUDA graph: the NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens
-(the cost of capacity that is not used), FP8 and bf16 dispatch, FP8 experts; the reference
-backend (NCCL); and the transformers block itself, all 128 experts on one GPU.
+The default run times the layer at --tokens (128 and 2048 tokens per rank), about 40-90 s on one
+H200 with cold compiles (estimated: the numbers are beside LAYER_TOKENS); --full adds the grouped
+GEMM alone, 20-45 s more (bench_gemm.py --grouped times its candidates against torch's).
 
-Grouped GEMM alone (the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
+Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
+split into dispatch / experts / combine, eager and replayed from a CUDA graph: the NVSHMEM backend
+with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is not
+used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
+block itself, all 128 experts on one GPU.
+
+Grouped GEMM alone (--full; the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
 rows per expert): ours masked by counts on the device (plain, gated with act(gate) * up fused, FP8
 rows into bf16 dots, FP8 rows and 128x128-block FP8 weights on FP8 dots), torch._grouped_mm,
 torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise scales), and a
@@ -18,7 +22,9 @@ bytes the GEMM must move (rows in, each used expert's weights once, rows out).
 With --tune, only the gated grouped GEMM of every case, once per tile shape of TUNE_CANDIDATES,
 to fill grouped_gemm.TILE_CONFIGS with measured choices (writes moe_tuning.json).
 
-Medians of CUDA-event times. Writes moe_layer.json; a baseline that fails is recorded with its error.
+Medians of CUDA-event times. Each row is printed as it is measured (a line, and '... still on <row>'
+every 30 s while one takes longer); moe_layer.json is rewritten as rows come in; a baseline that
+fails is recorded with its error.
 """
 import inspect
 import json
@@ -27,13 +33,20 @@ import os
 import torch
 import torch.distributed as dist
 
-from moe_ep import EPMoE, quantize_fp8, random_topk, runtime
+from moe_ep import EPMoE, quantize_fp8, random_topk
 from moe_ep.kernels.grouped_gemm import grouped_gemm
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
+from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
+# The default run's time on one H200 (estimated until measured; results/moe_layer_1gpu.json for the calls):
+# startup with NVSHMEM 10-15 s; about 25 kernels to compile (the EP kernels with FP8 and bf16 rows; the
+# gated and down grouped GEMMs on decode and prefill tiles, bf16 or FP8 rows, bf16 or FP8 weights; the
+# quantizers), 0.5-2 s each for sm_90: 15-50 s; a layer row 1-2 s (a layer made, 5 timings of 25 calls
+# of <= 1.2 ms, the reference's of <= 4.5 ms, a graph captured), 10 rows; the transformers block 5-10 s
+# (its import, 2 x 24 calls of 26-30 ms). 40-90 s. --full: 16 more kernels and 4 cases of 6-7 entries
+# (DeepSeek-V3's 256 experts: 15 GB of weights made and quantized, calls of <= 14 ms): 20-45 s.
 LAYER_TOKENS = (128, 2048)
 GEMM_CASES = [("deepseek_v3", DEEPSEEK, 8), ("deepseek_v3", DEEPSEEK, 256),
               ("qwen3_30b_a3b", QWEN3, 32), ("qwen3_30b_a3b", QWEN3, 512)]
@@ -54,7 +67,8 @@ def attempt(fn) -> dict:
 
 # ---------------------------------------------------------------------------------------------- layer
 
-def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_experts: bool, iters: int) -> dict:
+def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_experts: bool, iters: int,
+                progress: Progress) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     s = QWEN3
     layer = EPMoE(s["hidden"], s["intermediate"], s["experts"], s["topk"], max_tokens=max_tokens, backend=backend,
@@ -68,18 +82,23 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
     ep = layer._ep()
     try:
         with torch.no_grad():
+            progress.step("dispatch")
             times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
             recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+            progress.step("experts")
             out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
             times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3)
+            progress.step("combine")
             times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
             if fp8_experts:           # what FP8 weights cost: relative error of the counted rows against bf16 experts
                 exact = layer.run_experts(recv_x, recv_scales, recv_count, hint, fp8_experts=False)
                 counted = torch.arange(exact.shape[1], device="cuda")[None, :] < recv_count[:, None]
                 times["fp8_experts_rel_error"] = ((out - exact)[counted].float().norm()
                                                   / exact[counted].float().norm()).item()
+            progress.step("forward")
             times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
             if backend == "nvshmem":
+                progress.step("CUDA graph")
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     layer(x, ids, weights)
@@ -106,24 +125,16 @@ def transformers_block_times(tokens: int, iters: int) -> dict:
                 "experts_implementation": str(getattr(config, "_experts_implementation", None))}
 
 
-def layer_rows(iters: int) -> list[dict]:
-    rows = []
-    for tokens in LAYER_TOKENS:
-        for backend, max_tokens, fp8, fp8_experts in (
-                ("nvshmem", tokens, True, False), ("nvshmem", tokens, False, False),
-                ("nvshmem", DEFAULT_MAX_TOKENS, True, False), ("nvshmem", tokens, True, True),
-                ("reference", tokens, True, False)):
-            row = {"tokens": tokens, "backend": backend, "max_tokens": max_tokens, "fp8_dispatch": fp8,
-                   "fp8_experts": fp8_experts}
-            rows.append({**row, **attempt(lambda: layer_times(tokens, backend, max_tokens, fp8, fp8_experts, iters))})
-        rows.append({"tokens": tokens, "backend": "transformers block, all experts on one GPU",
-                     **attempt(lambda: transformers_block_times(tokens, iters))})
-    return rows
+def layer_configs(tokens: int) -> list[tuple]:
+    """(backend, max_tokens, fp8_dispatch, fp8_experts) of every layer row at `tokens` tokens per rank."""
+    return [("nvshmem", tokens, True, False), ("nvshmem", tokens, False, False),
+            ("nvshmem", DEFAULT_MAX_TOKENS, True, False), ("nvshmem", tokens, True, True),
+            ("reference", tokens, True, False)]
 
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
 
-def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
+def gemm_rows(name: str, shape: dict, rows: int, iters: int, progress: Progress) -> list[dict]:
     """The gate_up GEMM of one rank's experts with `rows` rows each."""
     local = shape["experts"] // dist.get_world_size()
     k, n = shape["hidden"], 2 * shape["intermediate"]
@@ -139,6 +150,8 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     flops = 2 * local * rows * n * k
 
     def entry(kernel: str, fn, in_bytes: float, w_bytes: float, out_cols: int = n) -> dict:
+        progress.step(kernel)
+
         def timed():
             us = median_us(fn, iters, 3)
             moved = local * rows * k * in_bytes + local * n * k * w_bytes + local * rows * out_cols * 2
@@ -172,7 +185,7 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     return results
 
 
-def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
+def tuning_rows(name: str, shape: dict, rows: int, iters: int, progress: Progress) -> list[dict]:
     """The gated gate_up GEMM (what the layer runs first) once per candidate tile shape."""
     local = shape["experts"] // dist.get_world_size()
     k, n = shape["hidden"], 2 * shape["intermediate"]
@@ -183,6 +196,7 @@ def tuning_rows(name: str, shape: dict, rows: int, iters: int) -> list[dict]:
     results = []
     for m_, n_, k_, warps, stages, per_sm in TUNE_CANDIDATES:
         tiles = dict(BLOCK_M=m_, BLOCK_N=n_, BLOCK_K=k_, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+        progress.step(str(tiles))
 
         def timed():
             us = median_us(lambda: grouped_gemm(a, w, counts, out=h, activation="silu", tiles=tiles), iters, 3)
@@ -203,18 +217,30 @@ def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
     return q, scale
 
 
+LAYER_COLUMNS = ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts", "dispatch_us", "experts_us",
+                 "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
+GEMM_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs", "error"]
+TUNING_COLUMNS = ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]
+
+
 def main():
-    args = benchmark_args(__doc__, iters=20, tune="time the gated grouped GEMM per candidate tile shape, only")
+    args = benchmark_args(__doc__, iters=20, tokens=LAYER_TOKENS,
+                          full="also the grouped GEMM alone against torch's (DeepSeek-V3 and Qwen3-30B-A3B shapes)",
+                          tune="time the gated grouped GEMM per candidate tile shape, only")
     rank = dist.get_rank()
     if args.tune:
         tuning = {**environment(), "rows": []}
         for name, shape, rows in GEMM_CASES:
-            tuning["rows"] += tuning_rows(name, shape, rows, args.iters)
+            with Progress(f"tuning, {name}, {rows} rows per expert") as p:
+                case = tuning_rows(name, shape, rows, args.iters, p)
+            tuning["rows"] += case
+            if rank == 0:
+                with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
+                    json.dump(tuning, f, indent=1)
+            p.report("\n".join(row_line(row, TUNING_COLUMNS) for row in case))
         if rank == 0:
-            with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
-                json.dump(tuning, f, indent=1)
-            print(markdown_table(tuning["rows"], ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]))
-        runtime.finalize_distributed()
+            print(markdown_table(tuning["rows"], TUNING_COLUMNS))
+        finish(args)
         return
     results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
 
@@ -223,19 +249,34 @@ def main():
             with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
                 json.dump(results, f, indent=1)
 
-    for name, shape, rows in GEMM_CASES:
-        results["grouped_gemm"] += gemm_rows(name, shape, rows, args.iters)
+    for tokens in args.tokens:
+        for backend, max_tokens, fp8, fp8_experts in layer_configs(tokens):
+            row = {"tokens": tokens, "backend": backend, "max_tokens": max_tokens, "fp8_dispatch": fp8,
+                   "fp8_experts": fp8_experts}
+            with Progress(f"layer, {row_line(row, list(row))}") as p:
+                row.update(attempt(lambda: layer_times(tokens, backend, max_tokens, fp8, fp8_experts, args.iters, p)))
+            results["layer"].append(row)
+            save()
+            p.report(row_line(row, LAYER_COLUMNS))
+        with Progress(f"layer, {tokens} tokens, the transformers block") as p:
+            row = {"tokens": tokens, "backend": "transformers block, all experts on one GPU",
+                   **attempt(lambda: transformers_block_times(tokens, args.iters))}
+        results["layer"].append(row)
         save()
-    results["layer"] = layer_rows(args.iters)
-    save()
+        p.report(row_line(row, LAYER_COLUMNS))
+    if args.full:
+        for name, shape, rows in GEMM_CASES:
+            with Progress(f"grouped GEMM, {name}, {rows} rows per expert") as p:
+                case = gemm_rows(name, shape, rows, args.iters, p)
+            results["grouped_gemm"] += case
+            save()
+            p.report("\n".join(row_line(row, GEMM_COLUMNS) for row in case))
     if rank == 0:
-        print(markdown_table(results["grouped_gemm"], ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs",
-                                                       "error"]))
-        print()
-        print(markdown_table(results["layer"], ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts",
-                                                "dispatch_us", "experts_us", "combine_us", "forward_us", "graph_us",
-                                                "fp8_experts_rel_error", "error"]))
-    runtime.finalize_distributed()
+        print(markdown_table(results["layer"], LAYER_COLUMNS))
+        if results["grouped_gemm"]:
+            print()
+            print(markdown_table(results["grouped_gemm"], GEMM_COLUMNS))
+    finish(args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     bash launch.sh benchmarks/bench_tp.py --out OUTDIR
 
+Every shape of SHAPES for each op: about 30-70 s on two H200s with cold compiles (estimated: the
+numbers are beside SHAPES).
+
 Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores them (w = weight.t()):
   AG-GEMM  a_shard [M/tp, K] @ w [K, N/tp] -> [M, N/tp]   (column-parallel, sequence-parallel input)
   GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
@@ -21,8 +24,10 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
 perfect overlap. The cost model's predictions (moe_ep.tp_cost.predicted_us) are printed beside.
-Writes tp.json and tp.md under --out; rank 0 prints the table. tp.json's `torch_symm_mem_backend`
-says which symmetric-memory allocator PyTorch's ops ran on (its CUDA one where this torch has it).
+Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
+longer); tp.json is rewritten as rows come in, tp.md written at the end; rank 0 prints the table.
+tp.json's `torch_symm_mem_backend` says which symmetric-memory allocator PyTorch's ops ran on (its
+CUDA one where this torch has it).
 """
 import json
 import os
@@ -32,12 +37,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moe_ep import AsyncTP, reference, runtime
+from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import matmul, tile_config
 from moe_ep.tp_cost import predicted_us
-from moe_ep.timing import benchmark_args, environment, markdown_table, median_us
+from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
-# prefill (a-d), then decode (M = 128 and 512 tokens)
+# prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
+# startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
+# compile (the fused AG-GEMM, GEMM-RS and GEMM-AR and matmul, pointer and tma, on 128- and 64-row tiles),
+# 0.5-2 s each for sm_90: 10-40 s; a row 10 timings of 35 calls, the longest 3-4 ms (b: 1.9 TFLOP a rank at
+# ~700 TFLOP/s), so 1-1.5 s for b and under 0.5 s for the decode rows, 14 rows 5-10 s. 30-70 s.
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
           (128, 8192, 28672), (512, 8192, 28672)]
 DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
@@ -70,7 +79,7 @@ def torch_fused_ops():
             lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
 
 
-def measure(op, shape, tp, fused, iters):
+def measure(op, shape, tp, fused, iters, progress: Progress):
     world = dist.get_world_size()
     m, k, n = shape
     g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
@@ -117,11 +126,13 @@ def measure(op, shape, tp, fused, iters):
     row = {"op": op, "M": m, "K": k, "N": n}
     expected = plain().float()
     for path, run in paths.items():
+        progress.step(f"{path}, first call")
         try:
             row[f"{path}_max_abs_diff"] = (run().float() - expected).abs().max().item()
         except Exception as e:
             row[f"{path}_max_abs_diff"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
+    progress.step("auto, first call")
     torch.cuda.synchronize()
     start = time.perf_counter()
     try:
@@ -143,6 +154,7 @@ def measure(op, shape, tp, fused, iters):
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
     for key, fn in timings:
+        progress.step(key)
         dist.barrier()
         try:
             row[key] = median_us(fn, iters, 5)
@@ -169,6 +181,8 @@ COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cu
            "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
            "fused_tma_max_abs_diff", "chunked_max_abs_diff"]
+ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "plain_us", "torch_us",
+               "fused_us", "fused_tma_us", "chunked_us", "auto_us", "auto_path", "overlap_efficiency"]   # its line
 
 
 def main():
@@ -182,11 +196,12 @@ def main():
     rows = []
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
         for shape in (s for s in SHAPES if op != "gemm_ar" or s[0] <= DECODE_ROWS):
-            rows.append(measure(op, shape, tp, fused, args.iters))
+            with Progress(f"{op} M={shape[0]} K={shape[1]} N={shape[2]}") as p:
+                rows.append(measure(op, shape, tp, fused, args.iters, p))
             if rank == 0:                  # written as they come: a cut run keeps what it measured
-                print(json.dumps(rows[-1]), flush=True)
                 with open(os.path.join(args.out, "tp.json"), "w") as f:
                     json.dump({**meta, "rows": rows}, f, indent=1)
+            p.report(row_line(rows[-1], ROW_COLUMNS))
     tp.check()
     if rank == 0:
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
@@ -195,7 +210,7 @@ def main():
             f.write(text)
         print(text)
     tp.destroy()
-    runtime.finalize_distributed()
+    finish(args)
 
 
 if __name__ == "__main__":

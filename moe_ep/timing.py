@@ -1,10 +1,13 @@
 """Measuring on the GPU, for the benchmarks and tutorials: medians of CUDA-event times (warm-up
-excluded), the options and setup every benchmark shares, where it ran, and its table."""
+excluded), the options and setup every benchmark shares, where it ran, its rows as they come (with a
+heartbeat while one takes long) and its table."""
 import argparse
 import datetime
 import os
 import statistics
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,16 +34,22 @@ def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
     return statistics.median(times)
 
 
-def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
-    """Parse --out DIR and --iters N (default `iters`) and the boolean `flags` (name -> help), make
-    --out, and start torch.distributed with one GPU per process; exit when no GPU is visible or when
-    ranks share a GPU."""
+def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None, **flags: str) -> argparse.Namespace:
+    """Parse --out DIR, --iters N (default `iters`), --tokens N,N,... (token counts per rank, default
+    `tokens`; no such option when None) and the boolean `flags` (name -> help), make --out, and start
+    torch.distributed with one GPU per process; exit when no GPU is visible or when ranks share a GPU.
+    args.started: when this was called (``finish`` prints the wall time since)."""
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument("--iters", type=int, default=iters)
+    if tokens is not None:
+        parser.add_argument("--tokens", type=token_counts, default=tokens, metavar="N,N,...",
+                            help=f"token counts per rank (default: {','.join(map(str, tokens))})")
     for name, text in flags.items():
         parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
+    args.started = started
     name = os.path.basename(sys.argv[0])
     if not torch.cuda.is_available():
         raise SystemExit(f"{name} needs GPUs")
@@ -50,6 +59,71 @@ def benchmark_args(doc: str, iters: int, **flags: str) -> argparse.Namespace:
     runtime.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     return args
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    """'128,4096' -> (128, 4096): positive integers, comma-separated (the type of --tokens)."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts like 128,4096, got {text!r}")
+    return counts
+
+
+def finish(args: argparse.Namespace) -> None:
+    """Rank 0 prints the benchmark's wall time since ``benchmark_args``; then torch.distributed ends."""
+    if on_rank0():
+        print(f"{os.path.basename(sys.argv[0])}: done in {time.perf_counter() - args.started:.0f} s", flush=True)
+    runtime.finalize_distributed()
+
+
+def on_rank0() -> bool:
+    """Whether this process prints: rank 0, or the only process when torch.distributed is not started."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+HEARTBEAT_S = 30.0     # a block that runs longer than this says what it is on, this often
+
+
+class Progress:
+    """``with Progress(label) as p:`` around one row's measurement. While the block runs, rank 0 prints
+    '... still on <label> after N s' every `every` seconds (flushed, from a daemon thread), so that a
+    slow compile or a hung kernel names itself. ``p.step(name)`` names the part the block is on (the
+    heartbeat then says '<label>: <name>'); ``p.report(text)`` prints a finished row's line (or a few
+    rows' lines) on rank 0 with the seconds the block took."""
+
+    def __init__(self, label: str, every: float = HEARTBEAT_S):
+        self.label, self.on, self.every = label, label, every
+        self.started = time.perf_counter()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            print(f"... still on {self.on} after {self.seconds:.0f} s", flush=True)
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def step(self, name: str) -> None:
+        self.on = f"{self.label}: {name}"
+
+    def report(self, text: str) -> None:
+        if on_rank0():
+            print(f"{text}  [{self.seconds:.1f} s]", flush=True)
+
+    def __enter__(self) -> "Progress":
+        if on_rank0():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def why_untimed(device: torch.device) -> str | None:
@@ -69,10 +143,20 @@ def environment() -> dict:
             "torch": torch.__version__, "triton": triton.__version__}
 
 
+def cell(value, fmt: str) -> str:
+    """One entry of a table or a row's line: a float as `fmt`, anything else as str."""
+    return format(value, fmt) if isinstance(value, float) else str(value)
+
+
 def markdown_table(rows: list[dict], cols: list[str], fmt: str = ".1f") -> str:
     """A markdown table of `cols` of every row; floats as `fmt`, missing entries as '-'."""
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
-        lines.append("| " + " | ".join(format(row[c], fmt) if isinstance(row.get(c), float) else str(row.get(c, "-"))
-                                       for c in cols) + " |")
+        lines.append("| " + " | ".join(cell(row.get(c, "-"), fmt) for c in cols) + " |")
     return "\n".join(lines)
+
+
+def row_line(row: dict, cols: list[str], fmt: str = ".3g") -> str:
+    """A row as one readable line, 'col value, ...' over those of `cols` it has (floats as `fmt`): what a
+    benchmark prints as each row is measured."""
+    return ", ".join(f"{c} {cell(row[c], fmt)}" for c in cols if c in row)

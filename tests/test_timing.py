@@ -1,0 +1,53 @@
+"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, and
+--tokens."""
+import argparse
+import re
+import time
+
+import pytest
+
+from moe_ep.timing import Progress, markdown_table, row_line, token_counts
+
+
+def test_heartbeat_names_a_block_that_runs_long(capsys):
+    with Progress("tile loop, a tp2 AG", every=0.1) as p:
+        time.sleep(0.25)
+        p.step("tma")
+        time.sleep(0.3)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"\.\.\. still on tile loop, a tp2 AG after \d s", lines[0]), lines
+    assert re.fullmatch(r"\.\.\. still on tile loop, a tp2 AG: tma after \d s", lines[-1]), lines
+    time.sleep(0.15)
+    assert capsys.readouterr().out == "", "the heartbeat must stop with its block"
+
+
+def test_heartbeat_is_silent_for_a_short_block_and_stops_on_errors(capsys):
+    with Progress("quick", every=0.2):
+        pass
+    with pytest.raises(RuntimeError), Progress("failing", every=0.05):
+        raise RuntimeError("a kernel failed")
+    time.sleep(0.15)
+    assert capsys.readouterr().out == ""
+
+
+def test_report_prints_the_line_and_its_seconds(capsys):
+    with Progress("row", every=10) as p:
+        time.sleep(0.05)
+    p.report("tokens 128, dispatch_us 19.2")
+    out = capsys.readouterr().out
+    assert out.startswith("tokens 128, dispatch_us 19.2  [0.") and out.endswith(" s]\n")
+
+
+def test_row_line_and_table_format_alike():
+    row = {"shape": "a tp2 AG", "M": 4096, "cublas_us": 512.345, "tma_us": "ValueError: no"}
+    assert row_line(row, ["shape", "M", "cublas_us", "pointer_us", "tma_us"]) == \
+        "shape a tp2 AG, M 4096, cublas_us 512, tma_us ValueError: no"
+    assert markdown_table([row], ["shape", "cublas_us", "pointer_us"]).splitlines()[-1] == "| a tp2 AG | 512.3 | - |"
+
+
+def test_token_counts():
+    assert token_counts("128,4096") == (128, 4096)
+    assert token_counts("16") == (16,)
+    for text in ("", "0", "128,", "a", "-4", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive token counts"):
+            token_counts(text)
