@@ -62,9 +62,8 @@ GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tm
 #   calls a candidate, the slowest 7.6 ms (DeepSeek-V3 at 256 rows, results/grouped_gemm_1gpu.json), 6-8
 #   candidates a case: about 3 s; DeepSeek-V3's 15 GB of weights made and quantized twice: seconds.
 #   With startup, 30-60 s.
-# --full: 3 more tile-loop variants, whose first shape printed nothing in 330 s with the fused ones
-# (triton 3.6: a compile or a kernel of tma_flat or tma_ws that does not end), and 4 more grouped candidates
-# at the prefill rows (4 more kernels).
+# --full: the other tile-loop variants (tma_s4, tma_flat: about 1 s each a shape on one H200), and 4 more
+# grouped candidates at the prefill rows (4 more kernels).
 def tile_loop_passes(full: bool) -> list[tuple[str, ...]]:
     """The tile-loop variants measured together over every shape, pass after pass: the fused kernels'
     first, then (full) each other variant of VARIANTS alone."""

@@ -66,10 +66,10 @@ TILE_CONFIGS = {
     "prefill": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, programs_per_sm=1),
     "prefill_fp8_weights": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
-# Candidates for the prefill class, timed by benchmarks/bench_gemm.py against the table (one enters
-# it only once measured; the two that did are the table's own entries): name -> (entry, the
-# precisions of the weights it is for). Each fits 227 KB
-# of shared memory and 255 registers a thread (ptxas for sm_90, triton 3.6):
+# Candidates for the prefill class, timed by `benchmarks/bench_gemm.py --grouped --full` against the
+# table (one enters it only once measured; the two that did are the table's own entries): name ->
+# (entry, the precisions of the weights it is for). Each fits 227 KB of shared memory and 255
+# registers a thread (ptxas for sm_90, triton 3.6):
 #   128 x 256 x 64, 8 warps: two wgmma warpgroups of 64 x 256; 3 stages of 48 KB, or 4 (192 KB).
 #   FP8: a step keeps the dot's result beside the accumulator to scale it (255 registers at 128 x 128
 #   with 8 warps), so narrower tiles: 64 x 128 x 128 with 4 warps and 4 stages of 24 KB, two programs
