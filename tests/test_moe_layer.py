@@ -270,8 +270,8 @@ def _swapped_on_the_cpu(rank, world):
         assert all(p.device.type == "cpu" for p in on_cpu.parameters())
         torch.testing.assert_close(on_cpu(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
         model = model.to(torch.bfloat16)
-        moved = swap_moe(copy.deepcopy(model), max_tokens=64).cuda()             # the nvshmem backend
-        direct = swap_moe(copy.deepcopy(model).cuda(), max_tokens=64)
+        moved = swap_moe(copy.deepcopy(model), fp8_group=64, max_tokens=64).cuda()   # the nvshmem backend
+        direct = swap_moe(copy.deepcopy(model).cuda(), fp8_group=64, max_tokens=64)
         assert torch.equal(moved(tokens.cuda()).logits, direct(tokens.cuda()).logits)
         layer = next(m for m in moved.modules() if isinstance(m, EPMoE))
         assert layer._ep().device == torch.device("cuda", torch.cuda.current_device()) and layer.backend == "nvshmem"
