@@ -219,9 +219,11 @@ originals = (FusedMoEParallelConfig.use_batched_activation_format, all2all_utils
 plugin.register(); plugin.register()
 parallel = dict(tp_size=1, pcp_size=1, dp_size=2, ep_size=2, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=0, sp_size=1,
                 use_ep=True, enable_eplb=False)
-ours, deepep_ht = (FusedMoEParallelConfig(all2all_backend=name, **parallel) for name in ("moe_ep", "deepep_high_throughput"))
+ours, deepep_ht = (FusedMoEParallelConfig(all2all_backend=name, **parallel)
+                   for name in ("moe_ep", "deepep_high_throughput"))
 assert ours.use_batched_activation_format and not deepep_ht.use_batched_activation_format
-assert not FusedMoEParallelConfig(all2all_backend="moe_ep", **parallel | dict(use_ep=False)).use_batched_activation_format
+without_ep = FusedMoEParallelConfig(all2all_backend="moe_ep", **parallel | dict(use_ep=False))
+assert not without_ep.use_batched_activation_format
 assert all2all_utils.maybe_roundup_layer_hidden_size(2880, None, ours) == 2944
 assert all2all_utils.maybe_roundup_layer_hidden_size(4096, None, ours) == 4096
 assert originals[0] is not FusedMoEParallelConfig.use_batched_activation_format
@@ -456,10 +458,8 @@ def _dual_batch_overlap(rank, world, backend="reference"):
         kernel = experts.quant_method.moe_kernel
         if not gpu:
             kernel.prepare_finalize.ep = DeferredReceive(kernel.prepare_finalize.ep)
-        batches = []
-        for b in range(ubatching._NUM_UBATCHES):
-            x, ids, weights = inputs(rank + 10 * b, 3 + b, 2, drop=b == 1, hidden=hidden, dtype=dtype, device=device)[2:]
-            batches.append((x, ids, weights))
+        batches = [inputs(rank + 10 * b, 3 + b, 2, b == 1, hidden, dtype, device)[2:]    # (x, ids, weights)
+                   for b in range(ubatching._NUM_UBATCHES)]
         outputs = [None] * len(batches)
 
         def micro_batch(context, x, ids, weights):

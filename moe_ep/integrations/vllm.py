@@ -5,8 +5,8 @@
     out = kernel.apply(hidden_states, w13, w2, topk_weights, topk_ids, ...)
 
 or, serving a model: ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend
-moe_ep`` with moe_ep installed into vLLM's environment (``pip install --no-deps -e .``): the ``vllm.general_plugins`` entry point runs ``register()``
-in every vLLM process. Then every MoE layer vLLM builds (FusedMoEFactory: its quantization method, the
+moe_ep`` with moe_ep installed into vLLM's environment (``pip install --no-deps -e .``): the
+``vllm.general_plugins`` entry point runs ``register()`` in every vLLM process. Then every MoE layer vLLM builds (FusedMoEFactory: its quantization method, the
 kernel oracle, FusedMoEKernel) gets a MoeEpPrepareAndFinalize over the EPAllToAll of its shape on vLLM's
 EP group, with the backend BACKEND_VARIABLE names ("nvshmem" unless set; "reference": torch.distributed,
 for checking), and the experts vLLM's oracle picks for the batched format.
