@@ -6,7 +6,9 @@ factory builds a MoeEpDispatcher per MoE layer; its dispatch, this rank's expert
 layout and its combine give, for every rank's tokens, what SGLang's StandardDispatcher and its
 torch-native MoE (fused_moe_forward_native) give with all experts on the rank, within fp32 rounding;
 masked_m is the per-expert count summed over ranks; layers of one shape share an EPAllToAll; zero
-tokens on a rank, one token, dropped slots (-1). At 2 ranks also: the _a/_b halves of two sub-batches
+tokens on a rank, one token, dropped slots (-1). At 2 ranks also: the MoE layer SGLang's model code builds
+for --moe-a2a-backend deepep (DeepEPMoE, through its own constructor) gets a MoeEpDispatcher from the plugin
+and its forward matches; the _a/_b halves of two sub-batches (two-batch overlap) on that layer's dispatcher
 in flight, FP8 dispatch (SGLang's default dispatch dtype: FP8 rows, fp32 scales per 128 columns),
 the dtype a quantization method sets, and what is refused. The experts on the low-latency layout are
 moe_ep's plain-torch grouped GEMM: SGLang's runner for that layout (DeepGEMM) needs a GPU.
@@ -151,6 +153,7 @@ def _cases(rank, world):
     for tokens, topk, drop in CASES[world]:
         _against_standard(rank, world, tokens, topk, drop, _hooked_factory)
     if world == 2:
+        _layer_sglang_builds(rank, world)
         _sub_batches(rank, world)
         _fp8_dispatch(rank, world)
         _refusals(rank, world)
@@ -161,11 +164,42 @@ def test_dispatcher_matches_sglang_standard_path(world):
     run(_cases, world)
 
 
+def build_layer(rank, world, topk):
+    """The MoE layer SGLang's model code builds with --moe-a2a-backend deepep (get_moe_impl_class: DeepEPMoE),
+    through its own constructor, under the published config and this rank's MoE parallel state."""
+    from sglang.srt.layers.moe.ep_moe.layer import DeepEPMoE, get_moe_impl_class
+
+    get_parallel().override_permanently(moe_tp_rank=0, moe_tp_size=1, moe_ep_rank=rank, moe_ep_size=world)
+    layer_class = get_moe_impl_class(quant_config=None)
+    assert layer_class is DeepEPMoE
+    return layer_class(num_experts=EXPERTS, top_k=topk, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                       layer_id=0, params_dtype=torch.float32, prefix="model.layers.0.mlp.experts")
+
+
+def _layer_sglang_builds(rank, world):
+    """DeepEPMoE built by SGLang gets a MoeEpDispatcher from the plugin; its forward (dispatch, experts,
+    combine) matches SGLang's standard path. Its experts here are moe_ep's plain-torch grouped GEMM in place
+    of run_moe_core: SGLang's runners of DeepEP's low-latency format (DeepGEMM, AITER, Ascend) need a GPU or
+    an NPU, and its torch-native MoE (fused_moe_forward_native) takes the standard format only."""
+    topk = 2
+    layer = build_layer(rank, world, topk)
+    assert isinstance(layer.dispatcher, moe_ep_sglang.MoeEpDispatcher)
+    assert layer.dispatcher.group is get_parallel().moe_ep_group.device_group
+    w13, w2, x, ids, weights = inputs(rank, 5 - rank, topk, drop=True)
+    mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    layer.w13_weight.data.copy_(w13[mine])
+    layer.w2_weight.data.copy_(w2[mine])
+    layer.run_moe_core = lambda dispatch_output: run_experts(dispatch_output, layer.w13_weight, layer.w2_weight,
+                                                             x.dtype)
+    y = layer.forward(x, StandardTopKOutput(weights, ids, None))
+    torch.testing.assert_close(y, standard_moe(rank, world, w13, w2, x, ids, weights), rtol=1e-5, atol=1e-5)
+
+
 def _sub_batches(rank, world):
     """Two sub-batches in flight (two-batch overlap): both dispatch_a before either dispatch_b, combines
     in the other order; each keeps its own handle. Halves out of order are refused."""
     topk = 2
-    dispatcher = _hooked_factory(runner_config(world, topk))
+    dispatcher = build_layer(rank, world, topk).dispatcher              # the dispatcher of a layer SGLang built
     mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
     batches = [inputs(rank + 10 * b, 3 + b, topk, drop=b == 1) for b in range(2)]
     for b, (w13, w2, x, ids, weights) in enumerate(batches):

@@ -1,18 +1,29 @@
-"""moe_ep inside vLLM's modular MoE kernel, against vLLM's own batched prepare/finalize.
+"""moe_ep inside vLLM: the layers vLLM builds, its dual-batch overlap, and its modular MoE kernel
+against vLLM's own batched prepare/finalize.
 
-CPU (gloo, reference backend, fp32), 1, 2 and 4 ranks: vLLM's FusedMoEKernel with
-MoeEpPrepareAndFinalize and this rank's experts gives, for every rank's tokens, what the same
-kernel gives with vLLM's BatchedPrepareAndFinalize and all experts on the rank (no all-to-all),
-within fp32 rounding; the per-expert counts are the reference's summed over ranks; both
-micro-batch handles; apply_router_weight_on_input; zero tokens on a rank; dropped slots (-1).
-The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides.
+CPU (gloo, reference backend), 2 ranks: FusedMoEFactory called as model code calls it under vLLM's config
+(--all2all-backend moe_ep, expert parallelism) and distributed state, with the plugin registered: its
+quantization method, the kernel oracle (which picks batched experts for moe_ep) and FusedMoEKernel over
+MoeEpPrepareAndFinalize, unquantized (hidden 36, padded to 128) and FP8 [128, 128] weight blocks with per-128
+activations (hidden 2880, padded to 2944), forward against a plain-torch MoE. Dual-batch overlap: two
+micro-batch threads with vLLM's UBatchContexts through that layer's kernel, the dispatch's receive held
+back until its hook runs, so a finalize that does not run the other micro-batch's pending hook fails;
+each micro-batch keeps its own handle.
+_stand_ins names the plain-torch stand-ins for what vLLM's CPU platform lacks.
 
-GPU (marked gpu): the same comparison with the nvshmem backend and the grouped-GEMM kernels at 2 ranks.
-Where vLLM is installed as .ci/run installs it, ``pytest tests/test_vllm.py -m gpu``. A GPU machine without
-a package index takes the same files as a folder on PYTHONPATH: every Python file of the vllm 0.33.0
-wheel (its compiled extensions are not needed) and, for that machine's Python, the packages .ci/run
-adds; then ``PYTHONPATH=FOLDER:$PWD pytest tests/test_vllm.py -m gpu``.
+CPU, 1, 2 and 4 ranks: vLLM's FusedMoEKernel with MoeEpPrepareAndFinalize and this rank's experts gives,
+for every rank's tokens, what the same kernel gives with vLLM's BatchedPrepareAndFinalize and all experts
+on the rank (no all-to-all), within fp32 rounding; the per-expert counts are the reference's summed over
+ranks; apply_router_weight_on_input; zero tokens on a rank; dropped slots (-1).
+The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides. Also what is refused.
+
+GPU (marked gpu): the same with the nvshmem backend at 2 ranks (bf16). Where vLLM is installed as .ci/run
+installs it, ``pytest tests/test_vllm.py -m gpu``. A GPU machine without a package index takes the same
+files as a folder on PYTHONPATH: every Python file of the vllm 0.33.0 wheel (its compiled extensions are
+not needed) and, for that machine's Python, the packages .ci/run adds; then
+``PYTHONPATH=FOLDER:$PWD pytest tests/test_vllm.py -m gpu``.
 """
+import contextlib
 import os
 import threading
 
@@ -33,7 +44,9 @@ from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_C
 from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize  # noqa: E402
 from vllm.v1.worker import ubatching  # noqa: E402
 
+from moe_ep.ep import EPHandle  # noqa: E402
 from moe_ep.integrations import vllm as moe_ep_vllm  # noqa: E402
+from moe_ep.reference import quantize_fp8  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, MAX_TOKENS = 8, 32, 16, 6
 
@@ -113,49 +126,6 @@ def test_kernel_matches_batched_prepare_finalize(world):
     run(_cases, world)
 
 
-def _micro_batches(rank, world):
-    """Two micro-batches in flight: dispatch both, then finalize in the other order; each uses its own handle."""
-    topk = 2
-    config = moe_config(world, rank, topk)
-    prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, None, backend="reference")
-    gemm = experts(config, FUSED_MOE_UNQUANTIZED_CONFIG, world)
-    mine = slice(rank * config.num_local_experts, (rank + 1) * config.num_local_experts)
-    batches = [inputs(rank + 10 * b, 3 + b, topk, drop=b == 1) for b in range(2)]
-    expected = [apply(reference_kernel(topk), w1, w2, x, ids, weights, False) for w1, w2, x, ids, weights in batches]
-    thread = threading.get_ident()
-    pending = []
-    try:
-        for b, (w1, w2, x, ids, weights) in enumerate(batches):
-            ubatching._THREAD_ID_TO_CONTEXT[thread] = b          # what vLLM's micro-batch threads see
-            hook, receiver = prepare_finalize.prepare_async(x, weights, ids, EXPERTS, None, False,
-                                                            FUSED_MOE_UNQUANTIZED_CONFIG)
-            pending.append((hook, receiver))
-        assert prepare_finalize.handles[0] is not prepare_finalize.handles[1]
-        outputs = []
-        for (hook, receiver), (w1, w2, x, ids, weights) in zip(pending, batches):
-            hook()
-            recv_x, scales, meta, _, _ = receiver()
-            out = torch.empty_like(recv_x)
-            gemm.apply(out, recv_x, w1[mine], w2[mine], weights, ids, MoEActivation.SILU, EXPERTS, None, scales,
-                       None, None, None, meta, False)
-            outputs.append(out)
-        for b in (1, 0):
-            w1, w2, x, ids, weights = batches[b]
-            ubatching._THREAD_ID_TO_CONTEXT[thread] = b
-            y = torch.empty_like(x)
-            hook, receiver = prepare_finalize.finalize_async(y, outputs[b], weights, ids, False,
-                                                             gemm.finalize_weight_and_reduce_impl())
-            hook()
-            receiver()
-            torch.testing.assert_close(y, expected[b], rtol=1e-5, atol=1e-5)
-    finally:
-        ubatching._THREAD_ID_TO_CONTEXT.pop(thread, None)
-
-
-def test_both_micro_batch_handles():
-    run(_micro_batches, 2)
-
-
 def _fp8_dispatch(rank, world):
     """A config asking for FP8 activations in 128-wide blocks dispatches FP8 with per-128 scales."""
     topk, hidden = 2, 128
@@ -200,6 +170,16 @@ def _refusals(rank, world):
     with pytest.raises(ValueError, match="top-k 1"):
         prepare_finalize.prepare(x, weights, ids, EXPERTS, None, True, FUSED_MOE_UNQUANTIZED_CONFIG)
 
+    with pytest.raises(ValueError, match="these experts ask for torch.bfloat16"):
+        moe_ep_vllm.make_prepare_finalize(config, None, backend="reference", input_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="monolithic"):
+        moe_ep_vllm.make_prepare_finalize(config, None, backend="reference", use_monolithic=True)
+    recv_x = prepare_finalize.prepare(x, weights, ids, EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)[0]
+    reduce = moe_ep_vllm.GroupedGemmExperts.finalize_weight_and_reduce_impl(None)
+    with pytest.raises(ValueError, match="differ from those its prepare sent"):
+        prepare_finalize.finalize(torch.empty_like(x), recv_x, weights * 2, ids, False, reduce)
+    prepare_finalize.finalize(torch.empty_like(x), recv_x, weights.clone(), ids, False, reduce)   # equal: taken
+
     class UE8M0Experts(moe_ep_vllm.GroupedGemmExperts):
         def supports_packed_ue8m0_act_scales(self):
             return True
@@ -227,7 +207,26 @@ from moe_ep.integrations import vllm as plugin
 from vllm.config.parallel import ParallelConfig
 from vllm.model_executor.layers.fused_moe import all2all_utils
 from vllm.model_executor.layers.fused_moe.oracle import unquantized
+import importlib
+from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+for target, version in plugin.PATCH_POINTS.values():
+    module, attribute = target.split(":")
+    owner = importlib.import_module(module)
+    for name in attribute.split("."):
+        owner = owner.__dict__["__dataclass_fields__"][name] if name == "all2all_backend" else getattr(owner, name)
+    assert version == plugin.VLLM_VERSION, target
+originals = (FusedMoEParallelConfig.use_batched_activation_format, all2all_utils.maybe_roundup_layer_hidden_size)
 plugin.register(); plugin.register()
+parallel = dict(tp_size=1, pcp_size=1, dp_size=2, ep_size=2, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=0, sp_size=1,
+                use_ep=True, enable_eplb=False)
+ours, deepep_ht = (FusedMoEParallelConfig(all2all_backend=name, **parallel)
+                   for name in ("moe_ep", "deepep_high_throughput"))
+assert ours.use_batched_activation_format and not deepep_ht.use_batched_activation_format
+without_ep = FusedMoEParallelConfig(all2all_backend="moe_ep", **parallel | dict(use_ep=False))
+assert not without_ep.use_batched_activation_format
+assert all2all_utils.maybe_roundup_layer_hidden_size(2880, None, ours) == 2944
+assert all2all_utils.maybe_roundup_layer_hidden_size(4096, None, ours) == 4096
+assert originals[0] is not FusedMoEParallelConfig.use_batched_activation_format
 assert ParallelConfig(all2all_backend="moe_ep").all2all_backend == "moe_ep"
 assert all2all_utils.maybe_make_prepare_finalize is unquantized.maybe_make_prepare_finalize
 assert all2all_utils.maybe_make_prepare_finalize.__module__ == plugin.__name__
@@ -249,3 +248,260 @@ def _grouped_gemm_on_nvshmem(rank, world):
 @pytest.mark.gpu
 def test_nvshmem_kernel_matches_batched_prepare_finalize():
     run(_grouped_gemm_on_nvshmem, 2, gpu=True)
+
+
+# ------------------------------------------------------------------ the layer as vLLM's model code builds it
+# vLLM's construction path at 2 ranks: its config with --all2all-backend moe_ep and expert parallelism, its
+# distributed state on the test's process group, the plugin registered, FusedMoEFactory as model code calls
+# it (quantization method, kernel oracle, FusedMoEKernel), weights where the checkpoint loader writes them,
+# and the layer's forward, against a plain-torch MoE of the same weights and router.
+
+_stand_in_library = None
+
+
+def _stand_ins():
+    """Plain-torch stand-ins, in this process, for what vLLM's Python modules cannot run here. vLLM's
+    platform is the CPU (VLLM_TARGET_DEVICE=cpu: the wheel's compiled extension, built for its own CUDA
+    torch, is not loaded), and on this platform:
+    * torch.ops._C.silu_and_mul, a kernel of that compiled extension: out = silu(gate) * up.
+    * fused_batched_moe._is_capturing_or_compiling asks torch.accelerator for the current stream, which a
+      CPU-only torch refuses: nothing is captured in these tests.
+    * the oracles' batched Triton experts (BatchedTritonExperts) claim CUDA platforms only: the backend
+      yields vLLM's NaiveBatchedExperts, its plain-torch experts of the same batched format and
+      quantization, on any device."""
+    global _stand_in_library
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+    from vllm.model_executor.layers.fused_moe.oracle import fp8, unquantized
+    if _stand_in_library is not None:
+        return
+    _stand_in_library = torch.library.Library("_C", "FRAGMENT")
+    _stand_in_library.define("silu_and_mul(Tensor! out, Tensor input) -> ()")
+    _stand_in_library.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
+    fused_batched_moe._is_capturing_or_compiling = lambda: False
+
+    class NaiveBatchedExpertsAnywhere(fused_batched_moe.NaiveBatchedExperts):
+        _supports_current_device = staticmethod(lambda: True)
+        _supports_no_act_and_mul = staticmethod(lambda: False)
+        _supports_quant_scheme = staticmethod(lambda weight_key, activation_key: True)
+        _supports_activation = staticmethod(lambda activation: activation == MoEActivation.SILU)
+        _supports_parallel_config = staticmethod(lambda parallel: True)
+
+    for oracle, batched in ((unquantized, unquantized.UnquantizedMoeBackend.BATCHED_TRITON),
+                            (fp8, fp8.Fp8MoeBackend.BATCHED_TRITON)):
+        oracle.backend_to_kernel_cls = _yielding(oracle.backend_to_kernel_cls, batched, NaiveBatchedExpertsAnywhere)
+
+
+def _silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    gate, up = x.chunk(2, dim=-1)
+    out.copy_(torch.nn.functional.silu(gate) * up)
+
+
+def _yielding(backend_to_kernel_cls, backend, experts_cls):
+    return lambda b: [experts_cls] if b == backend else backend_to_kernel_cls(b)
+
+
+@contextlib.contextmanager
+def vllm_state(rank, world, backend):
+    """vLLM's config (--data-parallel-size world --enable-expert-parallel --all2all-backend moe_ep, the
+    oracles pointed at their Triton experts, batched for moe_ep, with --moe-backend triton) and its
+    distributed state on this process group, the plugin registered, BACKEND_VARIABLE naming `backend`."""
+    from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    _stand_ins()
+    moe_ep_vllm.register()
+    os.environ[moe_ep_vllm.BACKEND_VARIABLE] = backend
+    config = VllmConfig(
+        parallel_config=ParallelConfig(data_parallel_size=world, data_parallel_rank=rank, enable_expert_parallel=True,
+                                       all2all_backend="moe_ep", distributed_executor_backend="external_launcher"),
+        kernel_config=KernelConfig(moe_backend="triton"),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_TOKENS,
+                                         max_model_len=MAX_TOKENS, is_encoder_decoder=False))
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=world, rank=rank, backend="gloo", distributed_init_method="env://")
+        initialize_model_parallel(1, 1)
+        yield config
+
+
+def build_layer(world, rank, hidden, fp8, dtype, device, name):
+    """FusedMoEFactory(...) as model code calls it (renormalized softmax top-2 router) on `device`, and
+    weights written where the checkpoint loader writes them: (layer, w13 [E, 2I, hidden], w2 [E, hidden,
+    I] in fp32, the dequantized FP8 blocks when `fp8`), the same on every rank."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    intermediate = 128 if fp8 else INTERMEDIATE                      # whole [128, 128] weight blocks
+    quant = Fp8Config(activation_scheme="dynamic", weight_block_size=[128, 128]) if fp8 else None
+    with torch.device(device):
+        layer = FusedMoEFactory(num_experts=EXPERTS, top_k=2, hidden_size=hidden, intermediate_size=intermediate,
+                                params_dtype=dtype, quant_config=quant, prefix=f"model.layers.{name}.mlp.experts")
+    experts = layer.routed_experts
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(EXPERTS, hidden, intermediate, generator=g) / intermediate ** 0.5
+    mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    padded = experts.w13_weight.shape[-1]
+    for param, w in (("w13", w13), ("w2", w2)):
+        w = torch.nn.functional.pad(w, (0, padded - hidden) if param == "w13" else (0, 0, 0, padded - hidden))
+        if fp8:
+            w, scales = _fp8_blocks(w)
+            getattr(experts, f"{param}_weight_scale_inv").data.copy_(scales[mine])
+        getattr(experts, f"{param}_weight").data.copy_(w[mine])
+    if fp8:
+        w13, w2 = (_dequantized(t, hidden) for t in (w13, w2))
+    experts.quant_method.process_weights_after_loading(experts)
+    return layer, w13.to(device), w2.to(device)
+
+
+def _fp8_blocks(w: torch.Tensor):
+    """w [E, N, K] -> (FP8 e4m3 [E, N, K], fp32 scales [E, N / 128, K / 128]): one scale per 128 x 128 block."""
+    e, n, k = w.shape
+    blocks = w.reshape(e, n // 128, 128, k // 128, 128).transpose(2, 3).reshape(e * n // 128 * k // 128, 128 * 128)
+    q, scales = quantize_fp8(blocks, 128 * 128)
+    q = q.reshape(e, n // 128, k // 128, 128, 128).transpose(2, 3).reshape(e, n, k)
+    return q, scales.reshape(e, n // 128, k // 128)
+
+
+def _dequantized(w: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The weights the FP8 experts compute with: w's FP8 blocks, dequantized (hidden padded to 128s, cut back)."""
+    padded = -(-hidden // 128) * 128
+    pad = (0, padded - hidden) if w.shape[-1] == hidden else (0, 0, 0, padded - hidden)
+    q, scales = _fp8_blocks(torch.nn.functional.pad(w, pad))
+    blocks = scales.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    full = q.float() * blocks
+    return full[..., :hidden] if w.shape[-1] == hidden else full[:, :hidden]
+
+
+def plain_moe(x, logits, w13, w2):
+    """The MoE in plain fp32 torch: softmax router, top-2, renormalized; silu(gate) * up, then down."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(ids.shape[1]):
+        for e in ids[:, k].unique().tolist():
+            rows = ids[:, k] == e
+            gate, up = (x[rows].float() @ w13[e].t()).chunk(2, dim=-1)
+            y[rows] += weights[rows, k, None] * ((torch.nn.functional.silu(gate) * up) @ w2[e].t())
+    return y
+
+
+def _engine_built_layers(rank, world, backend="reference"):
+    """Unquantized fp32 (hidden 36, padded to 128) and FP8 [128, 128] weight blocks with per-128 activations
+    (hidden 2880, padded to 2944), each from FusedMoEFactory under vLLM's state, against plain_moe."""
+    from vllm.forward_context import set_forward_context
+
+    gpu = backend == "nvshmem"
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    with vllm_state(rank, world, backend) as config:
+        for name, (hidden, fp8, tolerance) in enumerate(((36, False, 2e-2 if gpu else 1e-5), (2880, True, 0.06))):
+            layer, w13, w2 = build_layer(world, rank, hidden, fp8, dtype, device, name)
+            kernel = layer.routed_experts.quant_method.moe_kernel
+            assert isinstance(kernel.prepare_finalize, moe_ep_vllm.MoeEpPrepareAndFinalize)
+            assert layer.moe_config.hidden_dim == -(-hidden // 128) * 128
+            assert kernel.prepare_finalize.ep.fp8_group == (128 if fp8 else None)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(MAX_TOKENS - rank, hidden, generator=g).to(device, dtype)
+            logits = torch.randn(x.shape[0], EXPERTS, generator=g).to(device)
+            with set_forward_context(None, config):
+                y = layer(x, logits)
+            expected = plain_moe(x, logits, w13, w2)
+            assert y.shape == x.shape
+            assert (y.float() - expected).norm() <= tolerance * expected.norm(), (name, hidden, fp8)
+
+
+def test_layers_vllm_builds():
+    run(_engine_built_layers, 2)
+
+
+class DeferredReceive:
+    """A test's EPAllToAll: the reference backend with its dispatch's receive moved into the receive hook,
+    as the nvshmem backend has it, so a receive out of vLLM's order is seen: until the hook runs, the
+    outputs are unwritten and the handle says so (combine refuses it)."""
+
+    def __init__(self, ep):
+        self.ep = ep
+
+    def __getattr__(self, name):
+        return getattr(self.ep, name)
+
+    def dispatch(self, x, topk_ids, topk_weights, return_recv_hook=False):
+        if not return_recv_hook:
+            return self.ep.dispatch(x, topk_ids, topk_weights)
+        ep = self.ep
+        rows = (ep.experts_per_rank, ep.world * ep.max_tokens)
+        recv_x = torch.full((*rows, ep.hidden), float("nan"), dtype=ep.dtype)
+        recv_count = torch.zeros(rows[0], dtype=torch.int32)
+        handle = EPHandle(-1, -1, x.shape[0], topk_ids, torch.empty(0))
+
+        def hook():
+            received_x, _, received_count, received = ep.dispatch(x, topk_ids, topk_weights)
+            recv_x.copy_(received_x)
+            recv_count.copy_(received_count)
+            for name in EPHandle.__slots__:
+                setattr(handle, name, getattr(received, name))
+        return recv_x, None, recv_count, handle, hook
+
+
+def _dual_batch_overlap(rank, world, backend="reference"):
+    """vLLM's dual-batch overlap around the kernel of a layer vLLM built: two micro-batch threads with
+    vLLM's UBatchContexts, each running FusedMoEKernel.apply, which registers every receive hook with
+    the other micro-batch and yields to it (dbo_register_recv_hook, dbo_yield); the receive really
+    happens in the hook (DeferredReceive on CPU, the nvshmem backend's own on a GPU)."""
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    gpu = backend == "nvshmem"
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    with vllm_state(rank, world, backend) as config:
+        hidden = 128                                                  # a multiple of 128: not padded
+        layer, w13, w2 = build_layer(world, rank, hidden, False, dtype, device, "dbo")
+        experts = layer.routed_experts
+        kernel = experts.quant_method.moe_kernel
+        if not gpu:
+            kernel.prepare_finalize.ep = DeferredReceive(kernel.prepare_finalize.ep)
+        batches = [inputs(rank + 10 * b, 3 + b, 2, b == 1, hidden, dtype, device)[2:]    # (x, ids, weights)
+                   for b in range(ubatching._NUM_UBATCHES)]
+        outputs = [None] * len(batches)
+
+        def micro_batch(context, x, ids, weights):
+            with context:
+                outputs[context.id] = kernel.apply(x, experts.w13_weight, experts.w2_weight, weights, ids,
+                                                   MoEActivation.SILU, EXPERTS, None, False)
+        with set_forward_context(None, config):
+            contexts = _ubatch_contexts(get_forward_context())
+        threads = [threading.Thread(target=micro_batch, args=(c, *batch)) for c, batch in zip(contexts, batches)]
+        for thread in threads:
+            thread.start()
+        contexts[0].ready_barrier.wait()
+        contexts[0].cpu_wait_event.set()
+        for thread in threads:
+            thread.join()
+        for (x, ids, weights), y in zip(batches, outputs):
+            expected = apply(reference_kernel(2, hidden, dtype, device), w13.to(dtype), w2.to(dtype), x, ids, weights,
+                             False)
+            torch.testing.assert_close(y, expected, rtol=2e-2 if gpu else 1e-5, atol=2e-2 if gpu else 1e-5)
+
+
+def _ubatch_contexts(forward_context):
+    """vLLM's UBatchContexts of two micro-batches as make_ubatch_contexts makes them, on vLLM's (CPU
+    platform's) current stream and without its device events, which only stream switches record."""
+    count = ubatching._NUM_UBATCHES
+    stream = None
+    barrier = threading.Barrier(count + 1)
+    events = [threading.Event() for _ in range(count)]
+    ubatching._CURRENT_CONTEXTS[:] = [None] * count
+    return [ubatching.UBatchContext(i, stream, stream, forward_context, barrier, events[i], events[(i + 1) % count],
+                                    None, None) for i in range(count)]
+
+
+def test_dual_batch_overlap_order():
+    run(_dual_batch_overlap, 2, timeout=120)
+
+
+@pytest.mark.gpu
+def test_nvshmem_layers_vllm_builds():
+    run(_engine_built_layers, 2, "nvshmem", gpu=True)
+
+
+@pytest.mark.gpu
+def test_nvshmem_dual_batch_overlap_order():
+    run(_dual_batch_overlap, 2, "nvshmem", gpu=True, timeout=300)

@@ -16,16 +16,20 @@ This tutorial builds vLLM's ``FusedMoEKernel`` from moe_ep's prepare/finalize an
 against the same MoE computed densely on each rank. On GPUs the all-to-all is the NVSHMEM
 kernels; without them the reference backend on gloo.
 
-Serving a model:
+Serving a model (moe_ep installed into the engine's environment with ``pip install --no-deps -e .``, which
+leaves the engine and its torch as they are), what the server-side selection builds:
 
-* vLLM 0.33.0: ``pip install -e ".[vllm]"`` (from the checkout), then
-  ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend moe_ep``.
-  The package's ``vllm.general_plugins`` entry point adds the backend name in every vLLM process.
-* SGLang 0.5.23: ``pip install -e ".[sglang]"``, then ``MOE_EP_SGLANG=nvshmem python -m
-  sglang.launch_server --model-path MODEL --tp N --ep N --moe-a2a-backend deepep --deepep-mode low_latency``.
+* vLLM 0.33.0: ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend moe_ep``.
+  The package's ``vllm.general_plugins`` entry point runs ``moe_ep.integrations.vllm.register()`` in every
+  vLLM process (this tutorial calls it too): ``moe_ep`` becomes a value of ``--all2all-backend``, its layers
+  take the batched experts format (``use_batched_activation_format``, shown below), and each MoE layer vLLM
+  builds gets what ``make_prepare_finalize`` returns here, a ``MoeEpPrepareAndFinalize`` on vLLM's EP group,
+  with the experts vLLM's oracle picks for that format (this tutorial uses ``GroupedGemmExperts``).
+* SGLang 0.5.23: ``MOE_EP_SGLANG=nvshmem python -m sglang.launch_server --model-path MODEL --tp N --ep N
+  --moe-a2a-backend deepep --deepep-mode low_latency --disable-shared-experts-fusion``.
   The package's ``sglang.srt.plugins`` entry point hooks SGLang's dispatcher factory: the MoE layers that
-  would get DeepEP's low-latency dispatcher get ``moe_ep.integrations.sglang.MoeEpDispatcher``, whose
-  output is the same layout, so SGLang's experts run on it unchanged.
+  would get DeepEP's low-latency dispatcher (``DeepEPMoE``) get ``moe_ep.integrations.sglang.MoeEpDispatcher``,
+  whose output is the same layout, so SGLang's experts run on it unchanged.
 """
 import os
 
@@ -61,15 +65,18 @@ def main():
 
         from moe_ep.integrations import vllm as moe_ep_vllm
     except ImportError as error:
-        print(f"vLLM is not installed ({error}); pip install -e '.[vllm]' to run this tutorial: skipped")
+        print(f"vLLM is not installed ({error}); add moe_ep to an environment with vLLM to run this tutorial: skipped")
         return
+    moe_ep_vllm.register()                                    # what vLLM's plugin loader runs in every process
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = "nvshmem" if device.type == "cuda" else "reference"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
+    # A layer's parallel config under --data-parallel-size N --enable-expert-parallel --all2all-backend moe_ep.
     parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=world, ep_size=world, tp_rank=0, pcp_rank=0,
                                       dp_rank=rank, ep_rank=rank, sp_size=1, use_ep=True,
                                       all2all_backend=moe_ep_vllm.BACKEND_NAME, enable_eplb=False)
+    assert parallel.use_batched_activation_format == (world > 1)  # the oracles then pick batched experts
     config = FusedMoEConfig(num_experts=EXPERTS, experts_per_token=TOPK, hidden_dim=HIDDEN,
                             intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS // world,
                             num_logical_experts=EXPERTS, activation=MoEActivation.SILU, device=device,

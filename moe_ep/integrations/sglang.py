@@ -5,7 +5,7 @@
     combine_input = run_experts(dispatch_output)       # SGLang's MoE runner, DeepEP low-latency format
     y = dispatcher.combine(combine_input=combine_input)
 
-or, serving a model: ``pip install -e ".[sglang]"`` (from the checkout), then
+or, serving a model: ``pip install --no-deps -e .`` (from the checkout) into SGLang's environment, then
 ``MOE_EP_SGLANG=nvshmem python -m sglang.launch_server --model-path MODEL --tp N --ep N --moe-a2a-backend
 deepep --deepep-mode low_latency``. The ``sglang.srt.plugins`` entry point runs ``register()`` in every
 SGLang process; it hooks SGLang's dispatcher factory (PATCH_POINTS) so that, with MOE_EP_SGLANG set to

@@ -4,9 +4,12 @@
     kernel = FusedMoEKernel(prepare_finalize, GroupedGemmExperts(moe_config, quant_config, ...))
     out = kernel.apply(hidden_states, w13, w2, topk_weights, topk_ids, ...)
 
-or, serving a model: ``pip install -e ".[vllm]"`` (from the checkout) and ``vllm serve MODEL --enable-expert-parallel
---data-parallel-size N --all2all-backend moe_ep``: the ``vllm.general_plugins`` entry point runs
-``register()`` in every vLLM process.
+or, serving a model: ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend
+moe_ep`` with moe_ep installed into vLLM's environment (``pip install --no-deps -e .``): the
+``vllm.general_plugins`` entry point runs ``register()`` in every vLLM process. Then every MoE layer vLLM builds (FusedMoEFactory: its quantization method, the
+kernel oracle, FusedMoEKernel) gets a MoeEpPrepareAndFinalize over the EPAllToAll of its shape on vLLM's
+EP group, with the backend BACKEND_VARIABLE names ("nvshmem" unless set; "reference": torch.distributed,
+for checking), and the experts vLLM's oracle picks for the batched format.
 
 The layout is vLLM's "batched experts" format, which is EPAllToAll's: prepare returns
 recv_x [E_loc, W * max_tokens, H] (FP8 e4m3 with fp32 scales [E_loc, W * max_tokens, H / 128] when
@@ -14,17 +17,23 @@ the quantization config asks for activations in 128-wide blocks, the activations
 otherwise) and the per-expert counts (recv_count); finalize combines the experts' output into
 vLLM's output tensor, applying the router weights on the way. Prepare and finalize both have an
 async form (the receive runs in the returned hook), and each of vLLM's two micro-batches keeps its
-own dispatch handle.
+own dispatch handle; under dual-batch overlap finalize first runs the receive hook the other
+micro-batch left pending (vLLM's contract, as DeepEP's low-latency prepare/finalize keeps it).
+The plugin pads a layer's hidden size to a multiple of 128 (FP8_BLOCK), as vLLM pads it for DeepEP,
+so FP8 dispatch takes any hidden size (2880 -> 2944); vLLM pads the weights and activations.
 
 What it cannot honour raises ValueError when the engine builds it: expert placements other than
 rank r holding experts [r * E_loc, (r + 1) * E_loc) (EPLB, round-robin), packed UE8M0 scales,
-activation quantization other than 128-wide FP8 blocks, and apply_router_weight_on_input with top-k > 1.
+activation quantization other than 128-wide FP8 blocks, monolithic experts, an unquantized input dtype
+other than the layer's, and apply_router_weight_on_input with top-k > 1; finalize refuses router weights
+other than those its prepare sent (the combine applies those on the experts' ranks).
 
-Written against vLLM 0.33.0 (VLLM_VERSION); PATCH_POINTS names every engine function the plugin replaces.
+Written against vLLM 0.33.0 (VLLM_VERSION); PATCH_POINTS names every engine attribute the plugin replaces.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,7 +41,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_hook
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import gated_mlp
@@ -40,17 +49,23 @@ from . import FP8_BLOCK, all_to_all, check_local_experts
 
 VLLM_VERSION = "0.33.0"
 BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
+BACKEND_VARIABLE = "MOE_EP_VLLM_BACKEND"   # the EPAllToAll backend of the layers vLLM builds (default nvshmem)
 MICRO_BATCHES = 2                  # vLLM's dual-batch overlap runs two micro-batches, each with its own handle
-# Where vLLM 0.33.0 decides on the all-to-all backend, as "module:attribute"; register() wraps each.
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+# Where vLLM decides on the all-to-all backend and what follows from it, as ("module:attribute", the vLLM
+# version it was read from); register() wraps each. vLLM has no registry of all-to-all backends to use instead.
 PATCH_POINTS = {
-    "backend names": "vllm.config.parallel:ParallelConfig.all2all_backend",     # a Literal of names
-    "communicator": "vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__",
-    "prepare/finalize": "vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize",
+    "backend names": ("vllm.config.parallel:ParallelConfig.all2all_backend", "0.33.0"),   # a Literal of names
+    "communicator": ("vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__",
+                     "0.33.0"),
+    "batched format": (f"{_FUSED_MOE}.config:FusedMoEParallelConfig.use_batched_activation_format", "0.33.0"),
+    "hidden size": (f"{_FUSED_MOE}.all2all_utils:maybe_roundup_layer_hidden_size", "0.33.0"),
+    "prepare/finalize": (f"{_FUSED_MOE}.all2all_utils:maybe_make_prepare_finalize", "0.33.0"),
 }
 # The modules that import maybe_make_prepare_finalize by name (in vLLM 0.33.0): their copy is replaced too.
 PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
     "fused_moe.eep_reconfigure", "fused_moe.oracle.unquantized", "fused_moe.oracle.fp8", "fused_moe.oracle.int8",
-    "fused_moe.oracle.nvfp4", "fused_moe.oracle.mxfp4", "fused_moe.oracle.w4a8",
+    "fused_moe.oracle.nvfp4", "fused_moe.oracle.mxfp4", "fused_moe.oracle.w4a8", "fused_moe.oracle.w4a8_int8",
     "quantization.modelopt_block_quant", "quantization.utils.humming.moe"))
 
 def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
@@ -67,10 +82,12 @@ def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
 
 def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig | None,
                           routing_tables=None, group=None, backend: str = "nvshmem",
-                          placement: str = "linear") -> MoeEpPrepareAndFinalize:
+                          placement: str = "linear", input_dtype: torch.dtype | None = None,
+                          use_monolithic: bool = False) -> MoeEpPrepareAndFinalize:
     """The prepare/finalize of one vLLM MoE layer over the EPAllToAll of its shape on `group` (the
-    engine's EP group). routing_tables (EPLB's physical/logical maps) and a placement other than
-    "linear" are refused."""
+    engine's EP group). input_dtype (vLLM's factory argument: the all-to-all carries unquantized
+    activations of that dtype, the experts quantize) must be the layer's dtype. routing_tables (EPLB's
+    physical/logical maps), a placement other than "linear" and monolithic experts are refused."""
     parallel = moe.moe_parallel_config
     if routing_tables is not None or parallel.enable_eplb:
         raise ValueError("moe_ep does not support EPLB (expert load balancing): rank r holds experts "
@@ -78,9 +95,16 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
     if placement != "linear":
         raise ValueError(f"moe_ep supports the linear expert placement only, got {placement!r} "
                          "(--expert-placement-strategy linear)")
+    if use_monolithic:
+        raise ValueError("moe_ep's prepare/finalize feeds modular experts; the MoE backend vLLM chose has "
+                         "monolithic experts only: pick another with --moe-backend")
+    if input_dtype is not None and input_dtype != moe.in_dtype:
+        raise ValueError(f"moe_ep dispatches the layer's activations ({moe.in_dtype}) unquantized or in FP8; "
+                         f"these experts ask for {input_dtype}")
     check_local_experts(moe.num_experts, moe.num_local_experts, group)
+    fp8 = input_dtype is None and wants_fp8_dispatch(quant_config)
     ep = all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token, moe.in_dtype,
-                    wants_fp8_dispatch(quant_config), group, backend)
+                    fp8, group, backend)
     return MoeEpPrepareAndFinalize(ep)
 
 
@@ -98,6 +122,7 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         super().__init__()
         self.ep = ep
         self.handles = [None] * MICRO_BATCHES
+        self.weights = [None] * MICRO_BATCHES       # the router weights each micro-batch's prepare sent
         self._checked_maps: set[int] = set()        # data_ptr of expert maps found linear
 
     @property
@@ -129,13 +154,15 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                       quant_config: FusedMoEQuantConfig, defer_input_quant: bool = False
                       ) -> tuple[Callable, mk.ReceiverType]:
         """Issue the dispatch; returns (hook, receiver): the hook receives, the receiver returns prepare's tuple."""
-        if defer_input_quant:
+        if defer_input_quant and self.ep.fp8_group:
             raise ValueError("moe_ep quantizes in the dispatch: experts that quantize their inputs themselves "
-                             "(defer_input_quant) are not supported")
+                             "(defer_input_quant) need the layer built with their input_dtype")
         if num_experts != self.ep.num_experts:
             raise ValueError(f"this layer has {num_experts} experts, its EPAllToAll {self.ep.num_experts}")
         if expert_map is not None:
             self._check_expert_map(expert_map)
+        micro_batch = dbo_current_ubatch_id()
+        self.weights[micro_batch] = topk_weights
         if apply_router_weight_on_input:
             if topk_ids.shape[1] != 1:
                 raise ValueError(f"apply_router_weight_on_input needs top-k 1 (a token is sent once per rank, "
@@ -144,7 +171,7 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             topk_weights = torch.ones_like(topk_weights)
         recv_x, recv_scales, recv_count, handle, hook = self.ep.dispatch(
             a1.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), return_recv_hook=True)
-        self.handles[dbo_current_ubatch_id()] = handle
+        self.handles[micro_batch] = handle
         meta = mk.ExpertTokensMetadata(expert_num_tokens=recv_count, expert_num_tokens_cpu=None)
         return hook, lambda: (recv_x, recv_scales, meta, None, None)
 
@@ -158,14 +185,21 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
                        weight_and_reduce_impl: mk.TopKWeightAndReduce) -> tuple[Callable, Callable]:
-        """Issue the combine into `output`; returns (hook, receiver): output is valid after the hook.
-        The router weights are those given to prepare (ones with apply_router_weight_on_input)."""
+        """Run the receive hook the other micro-batch left pending (dual-batch overlap), then issue the
+        combine into `output`; returns (hook, receiver): output is valid after the hook. topk_weights
+        must be those given to prepare (the combine applies them where the experts ran; ones with
+        apply_router_weight_on_input): ValueError otherwise."""
         if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             raise ValueError(f"moe_ep applies the router weights in the combine; experts that reduce themselves "
                              f"({type(weight_and_reduce_impl).__name__}) are not supported")
-        handle = self.handles[dbo_current_ubatch_id()]
+        micro_batch = dbo_current_ubatch_id()
+        handle, sent = self.handles[micro_batch], self.weights[micro_batch]
         if handle is None:
             raise ValueError("finalize without a prepare on this micro-batch")
+        if topk_weights is not sent and not torch.equal(topk_weights, sent):
+            raise ValueError("finalize's topk_weights differ from those its prepare sent; moe_ep's combine "
+                             "applies the prepare's on the experts' ranks, before the sums return")
+        dbo_maybe_run_recv_hook()
         _, hook = self.ep.combine(fused_expert_output, handle, return_recv_hook=True, out=output)
         return hook, _nothing
 
@@ -253,6 +287,8 @@ def register() -> None:
         return
     _accept_backend_name(parallel.ParallelConfig)
     _wrap_communicator()
+    _wrap_batched_format()
+    _wrap_hidden_size()
     _wrap_prepare_finalize_factory()
 
 
@@ -292,22 +328,53 @@ def _wrap_communicator() -> None:
     cuda_communicator.CudaCommunicator.__init__ = __init__
 
 
+def _uses_moe_ep(parallel) -> bool:
+    """True for a layer's FusedMoEParallelConfig that runs expert-parallel all-to-all over moe_ep."""
+    return parallel.all2all_backend == BACKEND_NAME and parallel.use_all2all_kernels
+
+
+def _wrap_batched_format() -> None:
+    """vLLM's kernel oracles pick experts for the batched format where use_batched_activation_format
+    holds (DeepEP low-latency and NIXL EP in vLLM 0.33.0): it holds for moe_ep layers too."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    original = FusedMoEParallelConfig.use_batched_activation_format
+
+    def use_batched_activation_format(self) -> bool:
+        return _uses_moe_ep(self) or original.fget(self)
+    FusedMoEParallelConfig.use_batched_activation_format = property(use_batched_activation_format)
+
+
+def _wrap_hidden_size() -> None:
+    """maybe_roundup_layer_hidden_size pads a moe_ep layer's hidden size to a multiple of FP8_BLOCK, which
+    FP8 dispatch needs (vLLM pads the weights and activations to it, as for DeepEP)."""
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    original = all2all_utils.maybe_roundup_layer_hidden_size
+
+    def maybe_roundup_layer_hidden_size(hidden_size, act_dtype, moe_parallel_config):
+        if _uses_moe_ep(moe_parallel_config):
+            return -(-hidden_size // FP8_BLOCK) * FP8_BLOCK
+        return original(hidden_size, act_dtype, moe_parallel_config)
+    all2all_utils.maybe_roundup_layer_hidden_size = maybe_roundup_layer_hidden_size
+
+
 def _wrap_prepare_finalize_factory() -> None:
     """maybe_make_prepare_finalize returns MoeEpPrepareAndFinalize for moe_ep layers that run expert
     parallel all-to-all, on vLLM's EP group; other layers and backends go to vLLM's own."""
     from vllm.model_executor.layers.fused_moe import all2all_utils
     original = all2all_utils.maybe_make_prepare_finalize
 
-    def maybe_make_prepare_finalize(moe, quant_config, routing_tables=None, *args, **kwargs):
-        parallel = moe.moe_parallel_config
-        if parallel.all2all_backend != BACKEND_NAME or not parallel.use_all2all_kernels:
-            return original(moe, quant_config, routing_tables, *args, **kwargs)
+    def maybe_make_prepare_finalize(moe, quant_config, routing_tables=None, allow_new_interface=False,
+                                    use_monolithic=False, all2all_manager=None, input_dtype=None):
+        if not _uses_moe_ep(moe.moe_parallel_config):
+            return original(moe, quant_config, routing_tables, allow_new_interface, use_monolithic,
+                            all2all_manager, input_dtype)
         from vllm.config import get_current_vllm_config
         from vllm.distributed import get_ep_group
         placement = get_current_vllm_config().parallel_config.expert_placement_strategy
         return make_prepare_finalize(moe, quant_config, routing_tables, group=get_ep_group().device_group,
-                                     placement=placement)
-    for name in ("vllm.model_executor.layers.fused_moe.all2all_utils", *PREPARE_FINALIZE_USERS):
+                                     backend=os.environ.get(BACKEND_VARIABLE, "nvshmem"), placement=placement,
+                                     input_dtype=input_dtype, use_monolithic=use_monolithic)
+    for name in (all2all_utils.__name__, *PREPARE_FINALIZE_USERS):
         module = importlib.import_module(name)
         if getattr(module, "maybe_make_prepare_finalize", None) is original:
             module.maybe_make_prepare_finalize = maybe_make_prepare_finalize
