@@ -120,16 +120,19 @@ engine_tests() {   # the engines' GPU tests, on their sources from .engines/ (sk
 for part in $parts; do
   case "$part" in
     quick)
-      # Single-process kernel tests never wait on a peer, so they share the GPU with the multi-rank ones.
+      # Three lanes side by side under one MPS daemon: the one-process kernel tests (no waits on a peer), and
+      # two of 2-rank jobs; each kernel that waits on a peer is bounded and its ranks hold half the SMs.
       shared_gpu
-      lane pytest_kernels 420 python3 -m pytest -q -rs tests/test_grouped_gemm.py tests/test_matmul.py \
-        tests/test_quant.py tests/test_moe_layer.py -m "not gpu"
-      step pytest_ranks 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs -m gpu \
-        tests/test_ep_gpu.py tests/test_shmem_gpu.py tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py
+      lane pytest_kernels 360 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
+        tests/test_matmul.py tests/test_quant.py tests/test_moe_layer.py -m "not gpu"
+      lane pytest_ep 360 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
+        -m gpu tests/test_ep_gpu.py tests/test_moe_layer.py tests/test_quant.py
+      step pytest_tp 360 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_shmem_gpu.py tests/test_tp_gpu.py
       engine_tests 180
       wait
-      cat "$out/pytest_kernels.lane"
-      grep -qE '^PASS +pytest_kernels ' "$out/summary.txt" || failed=1
+      cat "$out"/*.lane
+      for name in pytest_kernels pytest_ep; do grep -qE "^PASS +$name " "$out/summary.txt" || failed=1; done
       own_gpu
       step bench_ep 150 bash launch.sh --nproc 1 benchmarks/bench_all_to_all.py --out "$out" --tokens 128,4096
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
