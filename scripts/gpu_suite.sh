@@ -80,7 +80,7 @@ step() {   # step NAME SECONDS command...: run under timeout, log to OUTDIR/NAME
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   local last
-  last=$(grep -E '(passed|failed|error|skipped|deselected)( |,|$).* in [0-9.]+s' "$out/$name.log" | tail -n 1)
+  last=$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)\b.* in [0-9.]+s' "$out/$name.log" | tail -n 1)
   tail -n 25 "$out/$name.log"
   local verdict=PASS
   if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif (( rc != 0 )); then verdict=FAIL; fi
