@@ -7,9 +7,10 @@
 or, serving a model: ``vllm serve MODEL --enable-expert-parallel --data-parallel-size N --all2all-backend
 moe_ep`` with moe_ep installed into vLLM's environment (``pip install --no-deps -e .``): the
 ``vllm.general_plugins`` entry point runs ``register()`` in every vLLM process. Then every MoE layer
-vLLM builds (FusedMoEFactory: its quantization method, the kernel oracle, FusedMoEKernel) gets a MoeEpPrepareAndFinalize over the EPAllToAll of its shape on vLLM's
-EP group, with the backend BACKEND_VARIABLE names ("nvshmem" unless set; "reference": torch.distributed,
-for checking), and the experts vLLM's oracle picks for the batched format.
+vLLM builds (FusedMoEFactory: its quantization method, the kernel oracle, FusedMoEKernel) gets a
+MoeEpPrepareAndFinalize over the EPAllToAll of its shape on vLLM's EP group, with the backend
+BACKEND_VARIABLE names ("nvshmem" unless set; "reference": torch.distributed, for checking), and the
+experts vLLM's oracle picks for the batched format.
 
 The layout is vLLM's "batched experts" format, which is EPAllToAll's: prepare returns
 recv_x [E_loc, W * max_tokens, H] (FP8 e4m3 with fp32 scales [E_loc, W * max_tokens, H / 128] when
