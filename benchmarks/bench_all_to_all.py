@@ -5,8 +5,8 @@
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
 combine. Settings (--tokens, tokens per rank): decode (16, 128, 512) and prefill (4096) by default,
-every column below for each; about 35-60 s on one H200 or two with cold compiles (estimated: the
-numbers are beside DECODE). Timings of ours:
+every column below for each; 24 s on one H200 with a warm compile cache (--tokens 128,4096: 23 s warm,
+40 s cold; each with the launch). Timings of ours:
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
             (dispatch: of mode "auto", and of "decode" and "prefill" each, where the crossover shows)
   eager     one call after a barrier, CUDA events; median
@@ -23,7 +23,7 @@ and, in the same process, eager:
 Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
 destination rank) over the graph time. `--breakdown` reruns the decode settings (up to 512 tokens)
 with device timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32
-to 2048 tokens per rank (graph only) and draws latency.png: about 10-20 s more each (estimated).
+to 2048 tokens per rank (graph only) and draws latency.png.
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
@@ -42,11 +42,9 @@ from moe_ep import EPAllToAll, link_copies, random_topk, reference
 from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
-# The default settings' time on one H200 (estimated until measured; results/all_to_all_1rank.json for the
-# calls): startup with NVSHMEM 10-15 s; the EP kernels (a handful: tokens are not constexpr) 1-2 s each to
-# compile for sm_90, 10-20 s; a setting 3-6 s: 4 graphs of 26 replays (<= 2.5 ms each), two profiler runs
-# (~1 s each), 51 NCCL and 26 reference calls of each op (<= 4.7 and 8.9 ms), 101 eager calls, the host and
-# front timings (a few thousand calls of < 50 us), and at 4096 tokens 15 GB of expert rows made. 35-60 s.
+# The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
+# start and the kernels' loads are the rest); a cold cache adds the EP kernels' compiles (tokens are not
+# constexpr, so a handful).
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 

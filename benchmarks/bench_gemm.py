@@ -4,9 +4,9 @@ torch._grouped_mm and torch._scaled_grouped_mm.
     bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR [--tile_loop | --grouped] [--full]
 
 The default run (both parts; --tile_loop or --grouped: that part only) times what the library runs:
-the tile loop's FUSED_VARIANTS ("pointer", "tma") and the grouped GEMM on the table's tiles, in
-about 40-80 s on one H200 with cold compiles (estimated: tile loop 15-30 s, grouped GEMM 30-60 s;
-the numbers are above tile_loop_passes). --full adds every other variant of matmul.VARIANTS
+the tile loop's FUSED_VARIANTS ("pointer", "tma") and the grouped GEMM on the table's tiles, in 26 s
+on one H200 with the launch and a warm cache (--tile_loop: 4 s of measuring; --grouped: 17 s warm,
+28 s cold; see above tile_loop_passes). --full adds every other variant of matmul.VARIANTS
 (after the fused ones are measured on every shape, one variant at a time, so that a variant that
 hangs costs only itself) and every grouped-GEMM tile candidate: the old default, minutes.
 
@@ -52,18 +52,12 @@ GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tm
                         for name, (tiles, precisions) in TILE_CANDIDATES.items())]
 
 
-# What the default run costs on one H200 (estimated until measured):
-# - tile loop: one compile per variant, as all 16 shapes take the same 128 x 256 x 64 tiles and the same
-#   specializations; 0.8-2 s each for sm_90 on a CPU machine (triton 3.9), 5 s allowed here. A shape costs
-#   cuBLAS and each variant 24 calls of at most 3 ms (2 TFLOP at ~700 TFLOP/s), its operands well under
-#   1 s: 16 shapes x 2 variants, 10-20 s, 15-30 s with startup and compiles.
-# - grouped GEMM: 16 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16/FP8 x
-#   pointer/tma), 0.5-1.7 s each for sm_90 on a CPU machine (17 s together), up to 2-3 s here; 24 timed
-#   calls a candidate, the slowest 7.6 ms (DeepSeek-V3 at 256 rows, results/grouped_gemm_1gpu.json), 6-8
-#   candidates a case: about 3 s; DeepSeek-V3's 15 GB of weights made and quantized twice: seconds.
-#   With startup, 30-60 s.
-# --full: the other tile-loop variants (tma_s4, tma_flat: about 1 s each a shape on one H200), and 4 more
-# grouped candidates at the prefill rows (4 more kernels).
+# What the default run costs: the tile loop compiles once per variant (all 16 shapes take the same
+# 128 x 256 x 64 tiles and specializations) and times 24 calls of at most 3 ms a shape and variant; the
+# grouped GEMM compiles 16 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16/FP8 x
+# pointer/tma) and makes and quantizes DeepSeek-V3's 15 GB of weights. --full: the other tile-loop
+# variants (tma_s4, tma_flat: about 1 s each a shape on one H200), and 4 more grouped candidates at the
+# prefill rows (4 more kernels).
 def tile_loop_passes(full: bool) -> list[tuple[str, ...]]:
     """The tile-loop variants measured together over every shape, pass after pass: the fused kernels'
     first, then (full) each other variant of VARIANTS alone."""

@@ -2,9 +2,9 @@
 
     bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR [--tokens N,N,...] [--full | --tune]
 
-The default run times the layer at --tokens (128 and 2048 tokens per rank), about 40-90 s on one
-H200 with cold compiles (estimated: the numbers are beside LAYER_TOKENS); --full adds the grouped
-GEMM alone, 20-45 s more (bench_gemm.py --grouped times its candidates against torch's).
+The default run times the layer at --tokens (128 and 2048 tokens per rank), 26 s on one H200 with a
+warm compile cache (--tokens 128: 29 s warm, 42 s cold; each with the launch); --full adds the
+grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's).
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
 split into dispatch / experts / combine, eager and replayed from a CUDA graph: the NVSHMEM backend
@@ -40,13 +40,9 @@ from moe_ep.timing import Progress, benchmark_args, environment, finish, markdow
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
-# The default run's time on one H200 (estimated until measured; results/moe_layer_1gpu.json for the calls):
-# startup with NVSHMEM 10-15 s; about 25 kernels to compile (the EP kernels with FP8 and bf16 rows; the
-# gated and down grouped GEMMs on decode and prefill tiles, bf16 or FP8 rows, bf16 or FP8 weights; the
-# quantizers), 0.5-2 s each for sm_90: 15-50 s; a layer row 1-2 s (a layer made, 5 timings of 25 calls
-# of <= 1.2 ms, the reference's of <= 4.5 ms, a graph captured), 10 rows; the transformers block 5-10 s
-# (its import, 2 x 24 calls of 26-30 ms). 40-90 s. --full: 16 more kernels and 4 cases of 6-7 entries
-# (DeepSeek-V3's 256 experts: 15 GB of weights made and quantized, calls of <= 14 ms): 20-45 s.
+# The default run: 26 s on one H200 with a warm cache, 16 s of it measuring (a layer row 1-2 s: 5 timings
+# of 25 calls, a graph captured; the transformers block a few s). A cold cache adds about 25 kernels'
+# compiles: the EP kernels, the grouped GEMMs on decode and prefill tiles, the quantizers.
 LAYER_TOKENS = (128, 2048)
 GEMM_CASES = [("deepseek_v3", DEEPSEEK, 8), ("deepseek_v3", DEEPSEEK, 256),
               ("qwen3_30b_a3b", QWEN3, 32), ("qwen3_30b_a3b", QWEN3, 512)]

@@ -5,8 +5,9 @@
 #
 # quick       the gate of every change that runs on a GPU: every GPU test file once, at 2 ranks (shared-GPU
 #             mode on one GPU), the sweeps at a reduced size, and the one-GPU benchmarks at their headline
-#             sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's two prefill
-#             shapes). On one H200: 392 s with a warm compile cache (see below), 506 s cold.
+#             sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's two model
+#             shapes at their decode and prefill rows). On one H200: 392 s with a warm compile cache (see
+#             below), 506 s cold.
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04
@@ -96,8 +97,7 @@ shared_gpu() {   # one CUDA MPS daemon for steps that run side by side on one GP
   CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
   nvidia-cuda-mps-control -d
   mps_started=1
-  for _ in $(seq 150); do mps_running && return 0; \
-    sleep 0.1; done
+  for _ in $(seq 150); do mps_running && return 0; sleep 0.1; done
 }
 own_gpu() {   # stop the daemon shared_gpu started: benchmarks time the GPU as a plain process
   [[ -n ${mps_started:-} ]] || return 0
@@ -130,6 +130,7 @@ for part in $parts; do
       # Three lanes side by side under one MPS daemon, balanced for a cold compile cache: the one-process
       # kernel tests (no waits on a peer), then NVSHMEM's wrappers; EP, MoE layer and quant at 2 ranks, then
       # the engines; async TP. Each kernel that waits on a peer is bounded, and each rank holds half the SMs.
+      # Each limit is 1.5-2x its step's cold time on one H200 (benchmarks/NOTES.md, "The quick GPU suite").
       shared_gpu
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
         tests/test_matmul.py tests/test_quant.py tests/test_moe_layer.py -m "not gpu" \
