@@ -4,29 +4,32 @@ torch._grouped_mm and torch._scaled_grouped_mm.
     bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR [--tile_loop | --grouped] [--full]
 
 The default run (both parts; --tile_loop or --grouped: that part only) times what the library runs:
-the tile loop's FUSED_VARIANTS ("pointer", "tma") and the grouped GEMM on the table's tiles, in 26 s
-on one H200 with the launch and a warm cache (--tile_loop: 4 s of measuring; --grouped: 17 s warm,
-28 s cold; see above tile_loop_passes). --full adds every other variant of matmul.VARIANTS
-(after the fused ones are measured on every shape, one variant at a time, so that a variant that
-hangs costs only itself) and every grouped-GEMM tile candidate: the old default, minutes.
+the tile loop's FUSED_VARIANTS ("pointer", "tma") and its fastest standalone variant (FASTEST_ALONE),
+and the grouped GEMM's variants on the table's tiles, in about 30 s on one H200 with the launch and
+a warm cache. --full adds every other variant of matmul.VARIANTS (after the fused ones are measured
+on every shape, one variant at a time, so that a variant that hangs costs only itself) and every
+grouped-GEMM tile candidate.
 
 Tile loop (moe_ep.kernels.matmul, every SM, its tile shapes): out [M, N] = a [M, K] @ w [K, N] bf16,
 w = weight.t() as nn.Linear stores it, on the per-rank shapes of bench_tp.py's prefill cases a-d at
 tp 2 and 4: all-gather GEMM (M, K, N / tp), GEMM reduce-scatter (M, K / tp, N). One column per
 variant with its time, and `<variant>_vs_cublas` = cuBLAS time / its time (the target: >= 0.98 on
-every shape).
+every shape); `floor_us`: the flops at the bf16 tensor cores' datasheet peak (timing.floor_us).
 
 Grouped GEMM (moe_ep.kernels.grouped_gemm): the gate_up GEMM of DeepSeek-V3 (256 experts, hidden 7168,
 2 x 2048) and Qwen3-30B-A3B (128 experts, hidden 2048, 2 x 768), all experts on this GPU, 8/256 and
 32/512 rows per expert (bench_moe_layer.GEMM_CASES). Ours in bf16 and with FP8 rows and 128 x 128-block
 FP8 weights, per candidate of GROUPED_CANDIDATES; torch._grouped_mm (bf16) and torch._scaled_grouped_mm
 (FP8, row-wise scales: what this torch offers). TFLOP/s over the counted rows, TB/s over the least
-bytes the GEMM must move (rows in, every weight once, rows out); `vs_torch` = torch's time / ours
+bytes the GEMM must move (rows in, every weight once, rows out); `floor_us` = the larger of the flops
+at the tensor cores' datasheet peak and those bytes at HBM's (timing.floor_us; `vs_floor` = floor /
+time); `vs_torch` = torch's time / ours
 against the baseline of the same precision, `vs_ours_bf16` = our best bf16 time / this one (FP8
 rows), `rel_error` = |ours - torch._grouped_mm (bf16)| / |torch._grouped_mm| over all outputs.
 
 Times: median of --iters calls, each timed alone with CUDA events, warm-up excluded, L2 flushed
-before every call (a 256 MB write, outside the timing) so no operand is served from L2.
+before every call (a 256 MB write, outside the timing) so no operand is served from L2, and the
+GPU kept busy while the call is launched so that the events time the GPU's work, not the host's.
 Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
 longer); gemm.json is rewritten as rows come in (a cut run keeps them); gemm.md at the end.
 """
@@ -41,33 +44,42 @@ from moe_ep import quantize_fp8
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
 from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
+                           row_line)
 
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
 L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
+BUSY_CYCLES = 1_000_000           # about 0.5 ms at the H200's 1.98 GHz: longer than any launch
+FASTEST_ALONE = "tma_flat_store"  # matmul's fastest variant, which the fused kernels cannot run
 # Grouped-GEMM candidates: (label, variant, tiles for the prefill class or None for the table's, precisions)
-GROUPED_CANDIDATES = [("pointer", "pointer", None, ("bf16", "fp8")), ("tma", "tma", None, ("bf16", "fp8")),
+GROUPED_CANDIDATES = [*((v, v, None, ("bf16", "fp8")) for v in ("pointer", "tma", "tma_flat")),
                       *((f"tma {name}", "tma", tiles, precisions)
                         for name, (tiles, precisions) in TILE_CANDIDATES.items())]
 
 
 # What the default run costs: the tile loop compiles once per variant (all 16 shapes take the same
 # 128 x 256 x 64 tiles and specializations) and times 24 calls of at most 3 ms a shape and variant; the
-# grouped GEMM compiles 16 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16/FP8 x
-# pointer/tma) and makes and quantizes DeepSeek-V3's 15 GB of weights. --full: the other tile-loop
-# variants (tma_s4, tma_flat: about 1 s each a shape on one H200), and 4 more grouped candidates at the
-# prefill rows (4 more kernels).
+# grouped GEMM compiles 20 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16, 2
+# shapes x FP8, x 3 variants, fewer where they share) and makes and quantizes DeepSeek-V3's 15 GB of
+# weights. --full: the other tile-loop variant (tma_flat), and the grouped tile candidates at the
+# prefill rows.
 def tile_loop_passes(full: bool) -> list[tuple[str, ...]]:
     """The tile-loop variants measured together over every shape, pass after pass: the fused kernels'
-    first, then (full) each other variant of VARIANTS alone."""
-    return [FUSED_VARIANTS, *((v,) for v in VARIANTS if full and v not in FUSED_VARIANTS)]
+    first, then each other variant of VARIANTS alone (without --full, only FASTEST_ALONE)."""
+    return [FUSED_VARIANTS, *((v,) for v in VARIANTS if v not in FUSED_VARIANTS and (full or v == FASTEST_ALONE))]
 
 
 def timer(iters: int):
-    """median_us with the L2 flushed before every timed call."""
+    """median_us with the L2 flushed before every timed call and the GPU kept busy while the call is
+    launched (BUSY_CYCLES of torch.cuda._sleep after the flush): the events time the kernels alone,
+    not the host's launch, which a GEMM of 100 us would otherwise partly include."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    return lambda fn: median_us(fn, iters, 3, before=flush.zero_)
+
+    def before():
+        flush.zero_()
+        torch.cuda._sleep(BUSY_CYCLES)
+    return lambda fn: median_us(fn, iters, 3, before=before)
 
 
 # ---------------------------------------------------------------------------------------------- tile loop
@@ -91,6 +103,7 @@ def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, pro
         progress.step("cuBLAS")
         row["cublas_us"] = time_us(lambda: a @ w)
         row["cublas_TFLOPs"] = 2 * m * k * n / row["cublas_us"] / 1e6
+        row["floor_us"] = floor_us(2 * m * k * n, 2 * (m * k + k * n + m * n))
     config = tile_config(m, n, a.element_size())
     for variant in variants:
         progress.step(variant)
@@ -139,7 +152,9 @@ def grouped_rows(name: str, shape: dict, rows: int, candidates: list, time_us, p
         us = time_us(fn)
         moved = experts * rows * k * row_bytes + experts * n * k * weight_bytes + experts * rows * n * 2
         error = (out.float().view(experts, rows, n) - expected).norm() / expected.norm()
-        return {**row, "us": us, "TFLOPs": flops / us / 1e6, "TBs": moved / us / 1e6, "rel_error": error.item()}
+        floor = floor_us(flops, moved, "fp8" if weight_bytes < 2 else "bf16")
+        return {**row, "us": us, "TFLOPs": flops / us / 1e6, "TBs": moved / us / 1e6, "rel_error": error.item(),
+                "floor_us": floor, "vs_floor": floor / us if floor else None}
 
     fp8_row_bytes = 1 + 4 / 128
     results = [entry("torch._grouped_mm", lambda: torch._grouped_mm(packed, w.transpose(1, 2), offs=offsets), 2, 2)]
@@ -173,12 +188,12 @@ def grouped_rows(name: str, shape: dict, rows: int, candidates: list, time_us, p
 
 def tp_columns(variants) -> list[str]:
     """The tile loop's table: cuBLAS, then the time, ratio to cuBLAS and error of each of `variants`."""
-    return ["shape", "M", "K", "N", "cublas_us", "cublas_TFLOPs",
+    return ["shape", "M", "K", "N", "floor_us", "cublas_us", "cublas_TFLOPs",
             *(f"{v}_{c}" for c in ("us", "vs_cublas") for v in variants), *(f"{v}_rel_error" for v in variants)]
 
 
-GROUPED_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "TBs", "vs_torch", "vs_ours_bf16",
-                   "rel_error"]
+GROUPED_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "floor_us", "vs_floor", "TFLOPs", "TBs", "vs_torch",
+                   "vs_ours_bf16", "rel_error"]
 
 
 def main():

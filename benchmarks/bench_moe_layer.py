@@ -1,26 +1,24 @@
 """EPMoE forward and its grouped GEMM, each against its baselines in the same run.
 
-    bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR [--tokens N,N,...] [--full | --tune]
+    bash launch.sh benchmarks/bench_moe_layer.py --out OUTDIR [--tokens N,N,...] [--full]
 
 The default run times the layer at --tokens (128 and 2048 tokens per rank), 26 s on one H200 with a
 warm compile cache (--tokens 128: 29 s warm, 42 s cold; each with the launch); --full adds the
 grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's).
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
-split into dispatch / experts / combine, eager and replayed from a CUDA graph: the NVSHMEM backend
+split into dispatch / experts / combine, eager and replayed from a CUDA graph (experts_floor_us: the
+experts' weights read once and their flops, each at the datasheet peak, timing.floor_us): the NVSHMEM backend
 with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is not
 used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
 block itself, all 128 experts on one GPU.
 
 Grouped GEMM alone (--full; the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
-rows per expert): ours masked by counts on the device (plain, gated with act(gate) * up fused, FP8
-rows into bf16 dots, FP8 rows and 128x128-block FP8 weights on FP8 dots), torch._grouped_mm,
+rows per expert): ours masked by counts on the device (bf16, FP8 rows into bf16 dots, FP8 rows and
+128x128-block FP8 weights on FP8 dots), torch._grouped_mm,
 torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise scales), and a
 per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
 bytes the GEMM must move (rows in, each used expert's weights once, rows out).
-
-With --tune, only the gated grouped GEMM of every case, once per tile shape of TUNE_CANDIDATES,
-to fill grouped_gemm.TILE_CONFIGS with measured choices (writes moe_tuning.json).
 
 Medians of CUDA-event times. Each row is printed as it is measured (a line, and '... still on <row>'
 every 30 s while one takes longer); moe_layer.json is rewritten as rows come in; a baseline that
@@ -36,7 +34,8 @@ import torch.distributed as dist
 from moe_ep import EPMoE, quantize_fp8, random_topk
 from moe_ep.kernels.grouped_gemm import grouped_gemm
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
+                           row_line)
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
@@ -47,10 +46,6 @@ LAYER_TOKENS = (128, 2048)
 GEMM_CASES = [("deepseek_v3", DEEPSEEK, 8), ("deepseek_v3", DEEPSEEK, 256),
               ("qwen3_30b_a3b", QWEN3, 32), ("qwen3_30b_a3b", QWEN3, 512)]
 DEFAULT_MAX_TOKENS = inspect.signature(EPMoE).parameters["max_tokens"].default
-# (BLOCK_M, BLOCK_N per accumulator, BLOCK_K, num_warps, num_stages, programs_per_sm): the shapes
-# Hopper's wgmma runs well, within the shared memory and registers one or two programs an SM have.
-TUNE_CANDIDATES = [(64, 32, 128, 4, 3, 2), (64, 64, 128, 4, 3, 2), (64, 64, 64, 4, 4, 2), (64, 128, 64, 4, 3, 1),
-                   (128, 64, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (128, 64, 128, 8, 3, 1), (64, 128, 128, 8, 3, 1)]
 
 
 def attempt(fn) -> dict:
@@ -75,11 +70,16 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
     x = torch.randn(tokens, s["hidden"], generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, s["experts"], s["topk"], device="cuda", generator=g)
     hint = tokens * world * s["topk"] / s["experts"]
+    used = min(s["experts"] // world, tokens * world * s["topk"])     # local experts that get rows (at most)
+    weight_bytes = used * 3 * s["hidden"] * s["intermediate"] * (1 if fp8_experts else 2)
+    floor = floor_us(2 * 3 * tokens * world * s["topk"] * s["hidden"] * s["intermediate"], weight_bytes,
+                     "fp8" if fp8_experts else "bf16")
     ep = layer._ep()
     try:
         with torch.no_grad():
             progress.step("dispatch")
-            times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
+            times = {"experts_floor_us": floor,
+                     "dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
             recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
             progress.step("experts")
             out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
@@ -145,20 +145,17 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int, progress: Progress)
     w_q, w_scales = quantize_weights_fp8(w)
     flops = 2 * local * rows * n * k
 
-    def entry(kernel: str, fn, in_bytes: float, w_bytes: float, out_cols: int = n) -> dict:
+    def entry(kernel: str, fn, in_bytes: float, w_bytes: float) -> dict:
         progress.step(kernel)
 
         def timed():
             us = median_us(fn, iters, 3)
-            moved = local * rows * k * in_bytes + local * n * k * w_bytes + local * rows * out_cols * 2
+            moved = local * rows * k * in_bytes + local * n * k * w_bytes + local * rows * n * 2
             return {"us": us, "TFLOPs": flops / us / 1e6, "GBs": moved / us / 1e3}
         return {"shape": name, "rows_per_expert": rows, "kernel": kernel, **attempt(timed)}
 
     results = [
         entry("ours", lambda: grouped_gemm(a, w, counts, rows_per_expert=rows), 2, 2),
-        entry("ours, act(gate) * up fused", lambda: grouped_gemm(a, w, counts, activation="silu",
-                                                                  packed_rows=local * rows, rows_per_expert=rows),
-              2, 2, n // 2),
         entry("ours, FP8 rows", lambda: grouped_gemm(q, w, counts, q_scales, 128, rows_per_expert=rows),
               1 + 4 / 128, 2),
         entry("ours, FP8 rows and weights", lambda: grouped_gemm(q, w_q, counts, q_scales, 128, rows_per_expert=rows,
@@ -181,26 +178,6 @@ def gemm_rows(name: str, shape: dict, rows: int, iters: int, progress: Progress)
     return results
 
 
-def tuning_rows(name: str, shape: dict, rows: int, iters: int, progress: Progress) -> list[dict]:
-    """The gated gate_up GEMM (what the layer runs first) once per candidate tile shape."""
-    local = shape["experts"] // dist.get_world_size()
-    k, n = shape["hidden"], 2 * shape["intermediate"]
-    counts = torch.full((local,), rows, dtype=torch.int32, device="cuda")
-    a = torch.randn(local, rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(local, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    h = torch.empty(local * rows, n // 2, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for m_, n_, k_, warps, stages, per_sm in TUNE_CANDIDATES:
-        tiles = dict(BLOCK_M=m_, BLOCK_N=n_, BLOCK_K=k_, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
-        progress.step(str(tiles))
-
-        def timed():
-            us = median_us(lambda: grouped_gemm(a, w, counts, out=h, activation="silu", tiles=tiles), iters, 3)
-            return {"us": us, "TFLOPs": 2 * local * rows * n * k / us / 1e6}
-        results.append({"shape": name, "rows_per_expert": rows, "tiles": str(tiles), **attempt(timed)})
-    return results
-
-
 def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M]), one scale a row (what torch's scaled GEMMs take);
     `chunk` rows at a time, so that the fp32 temporaries of 256 DeepSeek-V3 experts' weights (30 GB
@@ -214,30 +191,14 @@ def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
 
 
 LAYER_COLUMNS = ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts", "dispatch_us", "experts_us",
-                 "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
+                 "experts_floor_us", "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
 GEMM_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs", "error"]
-TUNING_COLUMNS = ["shape", "rows_per_expert", "tiles", "us", "TFLOPs", "error"]
 
 
 def main():
     args = benchmark_args(__doc__, iters=20, tokens=LAYER_TOKENS,
-                          full="also the grouped GEMM alone against torch's (DeepSeek-V3 and Qwen3-30B-A3B shapes)",
-                          tune="time the gated grouped GEMM per candidate tile shape, only")
+                          full="also the grouped GEMM alone against torch's (DeepSeek-V3 and Qwen3-30B-A3B shapes)")
     rank = dist.get_rank()
-    if args.tune:
-        tuning = {**environment(), "rows": []}
-        for name, shape, rows in GEMM_CASES:
-            with Progress(f"tuning, {name}, {rows} rows per expert") as p:
-                case = tuning_rows(name, shape, rows, args.iters, p)
-            tuning["rows"] += case
-            if rank == 0:
-                with open(os.path.join(args.out, "moe_tuning.json"), "w") as f:
-                    json.dump(tuning, f, indent=1)
-            p.report("\n".join(row_line(row, TUNING_COLUMNS) for row in case))
-        if rank == 0:
-            print(markdown_table(tuning["rows"], TUNING_COLUMNS))
-        finish(args)
-        return
     results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
 
     def save():

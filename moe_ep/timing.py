@@ -143,6 +143,22 @@ def environment() -> dict:
             "torch": torch.__version__, "triton": triton.__version__}
 
 
+# Dense peaks of the GPUs the benchmarks quote floors for, by a word of the device's name: bf16 and FP8
+# tensor-core TFLOP/s (no sparsity) and HBM TB/s, from NVIDIA's H100 SXM and H200 datasheets.
+PEAKS = {"H200": dict(bf16=989.0, fp8=1979.0, hbm=4.8), "H100": dict(bf16=989.0, fp8=1979.0, hbm=3.35)}
+
+
+def floor_us(flops: float, moved_bytes: float, precision: str = "bf16") -> float | None:
+    """The least time this GPU can take for `flops` tensor-core operations in `precision` ("bf16" or
+    "fp8") and `moved_bytes` of HBM traffic, each at its datasheet peak: the larger of the two, in us.
+    None on a GPU PEAKS does not list."""
+    name = torch.cuda.get_device_name()
+    peaks = next((p for word, p in PEAKS.items() if word in name), None)
+    if peaks is None:
+        return None
+    return max(flops / peaks[precision] / 1e6, moved_bytes / peaks["hbm"] / 1e6)
+
+
 def cell(value, fmt: str) -> str:
     """One entry of a table or a row's line: a float as `fmt`, anything else as str."""
     return format(value, fmt) if isinstance(value, float) else str(value)

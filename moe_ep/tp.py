@@ -54,8 +54,8 @@ from . import reference, runtime
 from .kernels import ag_gemm as ag_kernels
 from .kernels import gemm_ar as ar_kernels
 from .kernels import gemm_rs as rs_kernels
-from .kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
-                             reset_and_barrier_kernel, tile_config, wait_flag_kernel)
+from .kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, reset_and_barrier_kernel, tile_config,
+                             tile_loop_arguments, wait_flag_kernel)
 from .timing import median_us
 from .tp_autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .tp_cost import candidate_paths, measured_choice
@@ -402,11 +402,8 @@ class AsyncTP(runtime.CommObject):
             **self._descriptors(a, w, config), **config)
 
     def _descriptors(self, a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
-        """The fused kernels' tile-loop arguments for `tile_loop`: TMA, and a's and w's descriptors
-        (``matmul.operand_descriptors``) or None."""
-        if self.tile_loop == "pointer":
-            return dict(a_desc=None, w_desc=None, W_KMAJOR=False, TMA=False)
-        return dict(operand_descriptors(a, w, config), TMA=True)
+        """The fused kernels' tile-loop arguments for `tile_loop` (``matmul.tile_loop_arguments``)."""
+        return tile_loop_arguments(self.tile_loop, a, w, config)
 
     def _rs_send_chunked(self, a: torch.Tensor, w: torch.Tensor) -> None:
         """cuBLAS computes the rows bound for each peer (rank r+1's first) and the copy engine puts

@@ -233,8 +233,7 @@ class GroupedGemmExperts(mk.FusedMoEExpertsModular):
     """Gated-MLP experts on the batched format as two masked grouped GEMMs (moe_ep.kernels.grouped_gemm's
     gated_mlp: the kernels on CUDA, their plain-torch reference elsewhere): w1 [E_loc, 2I, H] (gate rows,
     then up), w2 [E_loc, H, I], unquantized; rows are FP8 with per-128 scales or the activations' dtype.
-    Only rows below the counts are computed; act(gate) * up is applied in the first GEMM's epilogue
-    (silu, gelu)."""
+    Only rows below the counts are computed; act(gate) * up (silu, gelu) by a kernel between the GEMMs."""
 
     ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu"}
 

@@ -12,14 +12,17 @@ A tile is computed one of two ways (``VARIANTS``):
     accumulator needs. The weight's descriptor is over w [K, N] when its rows are contiguous, or
     over w.T [N, K] (nn.Linear's weight, seen through .t()) whose [BLOCK_N, BLOCK_K] box is
     transposed in shared memory for the dot.
-Output tiles are stored with pointers in every variant: the fused kernels store a shard's tiles
-into row ranges of a larger buffer, or into a peer's, where a descriptor's box would overwrite the
-next shard's rows. ``matmul`` can also flatten the tile loop and the K loop into one pipelined loop
-(the next tile's loads start during this tile's last dots); the fused kernels, whose tile loops wait
-on flags and store to peers, take FUSED_VARIANTS only. (A warp-specialized loop, triton 3.6's
-``tl.range(warp_specialize=True)``, never returned from its first call on an H200: not offered.)
-Until bench_gemm.py has measured them on Hopper the descriptor variants are candidates:
-DEFAULT_VARIANT stays the pointer loop.
+The fused kernels store output tiles with pointers: a shard's tiles go into row ranges of a larger
+buffer, or into a peer's, where a descriptor's box would overwrite the next shard's rows. ``matmul``
+alone can also flatten the tile loop and the K loop into one pipelined loop (the next tile's loads
+start during this tile's last dots) and store its tiles through a descriptor of its output, in two
+halves ("tma_flat_store", four stages): the fastest loop measured on an H200, within 2% of cuBLAS on
+all but one of bench_gemm.py's shapes (benchmarks/NOTES.md). The fused kernels cannot flatten: the
+all-gather GEMM waits for a shard's flag before its tiles load it, and a flattened loop would issue
+those loads ahead of the wait. They take FUSED_VARIANTS; DEFAULT_VARIANT is "tma" (10-20% faster than
+pointer loads on every shape measured), falling back to pointers for operands TMA cannot address
+(``tile_loop_arguments``). (A warp-specialized loop, triton 3.6's ``tl.range(warp_specialize=True)``,
+never returned from its first call on an H200: not offered.)
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
@@ -123,15 +126,16 @@ def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl
 
 
 # How the tile loop loads and schedules (see the module docstring). TMA: tensor descriptors;
-# FLATTEN: the option of tl.range on the tile loop; launch options here replace tile_config's.
-# "tma_s4": a fourth stage, which fits because output tiles are not staged in shared memory.
+# FLATTEN: the option of tl.range on the tile loop; STORE_TMA: output tiles stored through a descriptor;
+# launch options here replace tile_config's. "tma_flat_store": a fourth stage, which fits because the
+# output tile is stored in halves.
 VARIANTS = {
-    "pointer": dict(TMA=False, FLATTEN=False),
-    "tma": dict(TMA=True, FLATTEN=False),
-    "tma_s4": dict(TMA=True, FLATTEN=False, num_stages=4),
-    "tma_flat": dict(TMA=True, FLATTEN=True),
+    "pointer": dict(TMA=False, FLATTEN=False, STORE_TMA=False),
+    "tma": dict(TMA=True, FLATTEN=False, STORE_TMA=False),
+    "tma_flat": dict(TMA=True, FLATTEN=True, STORE_TMA=False),
+    "tma_flat_store": dict(TMA=True, FLATTEN=True, STORE_TMA=True, num_stages=4),
 }
-DEFAULT_VARIANT = "pointer"
+DEFAULT_VARIANT = "tma"
 FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
 
 
@@ -164,23 +168,39 @@ def gemm_tile(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, 
     return acc
 
 
+@triton.jit
+def store_tile_tma(out_desc, row, col, acc, BLOCK_N: tl.constexpr):
+    """Store the [BLOCK_M, BLOCK_N] tile acc at (row, col) of out_desc (boxes [BLOCK_M, BLOCK_N / 2], in
+    out_desc's dtype) as two half tiles: each half's registers are free for the next tile sooner, and
+    the TMA engine clips rows and columns past out_desc's shape."""
+    halves = tl.permute(tl.reshape(acc.to(out_desc.dtype), (acc.shape[0], 2, BLOCK_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    out_desc.store([row, col], left)
+    out_desc.store([row, col + BLOCK_N // 2], right)
+
+
 @triton.jit(do_not_specialize=["M", "programs"])
-def matmul_kernel(a, a_desc, w, w_desc, out, M, N, K, stride_am, stride_wk, stride_wn, programs,
+def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, M, N, K, stride_am, stride_wk, stride_wn, programs,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr):
+                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
+                  STORE_TMA: tl.constexpr):
     """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
     fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
-    boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None)."""
+    boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None). STORE_TMA: out
+    stored through out_desc (``store_tile_tma``), else with pointers."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M,
                         BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        if STORE_TMA:
+            store_tile_tma(out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, acc, BLOCK_N)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 def describable(t: torch.Tensor) -> bool:
@@ -196,6 +216,16 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
         raise ValueError(f"a tensor descriptor needs a non-empty tensor with contiguous rows, 16-byte aligned "
                          f"in start and row stride: got {tuple(t.shape)} with strides {t.stride()}")
     return TensorDescriptor.from_tensor(t, block)
+
+
+def tile_loop_arguments(variant: str, a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
+    """gemm_tile's loading arguments for a fused kernel whose tile loop is `variant` (of FUSED_VARIANTS):
+    TMA with ``operand_descriptors``, or pointers where the variant is "pointer" or TMA cannot address
+    a or w (``describable``)."""
+    w_rows = w.t() if w.stride(1) != 1 else w
+    if variant == "pointer" or not (describable(a) and describable(w_rows)):
+        return dict(a_desc=None, w_desc=None, W_KMAJOR=False, TMA=False)
+    return dict(operand_descriptors(a, w, config), TMA=True)
 
 
 def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
@@ -224,10 +254,11 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
         return out.zero_()
     descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
                                                                                 W_KMAJOR=False)
+    out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
     grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
-    matmul_kernel[(grid,)](a=a, w=w, out=out, M=m, N=n, K=k, stride_am=a.stride(0), stride_wk=w.stride(0),
-                           stride_wn=w.stride(1), programs=grid, EVEN_K=k % config["BLOCK_K"] == 0, **descriptors,
-                           **{**config, **options})
+    matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, M=m, N=n, K=k, stride_am=a.stride(0),
+                           stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
+                           EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
     return out
 
 

@@ -6,9 +6,10 @@
 Each rank holds only its experts (rank r: experts [r*E/W, (r+1)*E/W)) as gated MLPs in the layout
 transformers uses: gate_up_proj [E_loc, 2*I, H] (gate rows first, then up), down_proj [E_loc, H, I].
 The experts run as two masked grouped GEMMs over dispatch's expert-major rows, whose work follows
-the received counts: the first applies act(gate) * up in its epilogue and writes packed rows, the
+the received counts: the first writes packed rows, a kernel applies act(gate) * up to them, the
 second writes the capacity layout combine reads. FP8 rows are dequantized as the GEMM loads them,
-or, with fp8_experts=True, multiplied as they are by FP8 weights on FP8 tensor cores.
+or, with fp8_experts=True, multiplied as they are by FP8 weights on FP8 tensor cores (and
+act(gate) * up is quantized for the second GEMM's).
 
 ``moe_ep.integrations.transformers`` builds these layers from a transformers model's MoE blocks.
 """
@@ -72,7 +73,7 @@ class EPMoE(nn.Module):
         self.experts_per_rank = num_experts // world
         self.first_expert = dist.get_rank(group) * self.experts_per_rank
         self.activation = ACTIVATIONS[activation] if isinstance(activation, str) else activation
-        self._fused_activation = _kernel_activation(activation)   # the grouped GEMM applies it; None: torch does
+        self._kernel_activation = _kernel_activation(activation)   # gated_activation's kernel; None: torch
         self.router, self.shared_experts, self.routed_scaling_factor = router, shared_experts, routed_scaling_factor
         self.gate_up_proj = nn.Parameter(torch.empty(self.experts_per_rank, 2 * intermediate, hidden,
                                                      dtype=dtype, device=device))
@@ -124,7 +125,7 @@ class EPMoE(nn.Module):
             gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
         packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
         return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
-                         self._fused_activation or self.activation, gate_up_scales, down_scales,
+                         self._kernel_activation or self.activation, gate_up_scales, down_scales,
                          out_dtype=self.gate_up_proj.dtype, packed_rows=packed_rows, rows_per_expert=rows_per_expert,
                          kernels=kernels)
 
@@ -149,7 +150,7 @@ class EPMoE(nn.Module):
 
 
 def _kernel_activation(activation) -> str | None:
-    """The grouped GEMM's name for `activation` ("silu", "gelu"), or None if only torch can apply it."""
+    """The kernels' name for `activation` ("silu", "gelu"), or None if only torch can apply it."""
     if isinstance(activation, str):
         return activation
     silu = activation is nn.functional.silu or isinstance(activation, nn.SiLU) \
