@@ -16,7 +16,7 @@ The fused kernels store output tiles with pointers: a shard's tiles go into row 
 buffer, or into a peer's, where a descriptor's box would overwrite the next shard's rows. ``matmul``
 alone can also flatten the tile loop and the K loop into one pipelined loop (the next tile's loads
 start during this tile's last dots) and store its tiles through a descriptor of its output, in two
-halves ("tma_flat_store", four stages): the fastest loop measured on an H200, within 2% of cuBLAS on
+halves ("tma_flat_store", four stages): the fastest loop measured on an H200, within 2-4% of cuBLAS on
 all but one of bench_gemm.py's shapes (benchmarks/NOTES.md). The fused kernels cannot flatten: the
 all-gather GEMM waits for a shard's flag before its tiles load it, and a flattened loop would issue
 those loads ahead of the wait. They take FUSED_VARIANTS; DEFAULT_VARIANT is "tma" (10-20% faster than
