@@ -7,7 +7,7 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
-from moe_ep.tp_cost import candidate_paths, measured_choice, predicted_us
+from moe_ep.tp.cost import candidate_paths, measured_choice, predicted_us
 
 
 def _layers_match(rank, world):

@@ -1,7 +1,7 @@
 """Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
 
 Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll``
-(``moe_ep.ep_low_latency``), and a one-launch kernel per direction that runs both (below):
+(``moe_ep.ep.low_latency``), and a one-launch kernel per direction that runs both (below):
 
 dispatch_send   (on every rank, for its own tokens)
     programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in

@@ -8,7 +8,7 @@
 
 What the tensors mean is ``moe_ep.reference``'s contract. The front checks every argument,
 counts calls into buffer slots, makes handles and hooks, and picks the backend; the kernels
-and their buffers belong to a protocol object (``ep_low_latency.LowLatency``; ``ep_protocol``
+and their buffers belong to a protocol object (``low_latency.LowLatency``; ``protocol``
 says what a protocol offers, so that another one is a new module beside it, not a branch here).
 
 Results of a dispatch are views into buffers of one of two slots (double buffering): they stay
@@ -20,7 +20,7 @@ combines) may be in flight. Without a hook, both phases run in one kernel launch
 protocol allows it: one launch of host time less a call. Dispatch's ``mode`` picks its kernels:
 "decode" (a token row a work item, one launch without a hook), "prefill" (larger work items and
 more programs, a send and a receive kernel), or "auto" (the default): decode up to
-``ep_low_latency.ONE_LAUNCH_TOKENS`` tokens, prefill above.
+``low_latency.ONE_LAUNCH_TOKENS`` tokens, prefill above.
 
 No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import reference, runtime
-from .ep_low_latency import LowLatency
-from .ep_protocol import MODES, SLOTS, EPConfig
-from .kernels import all_to_all as kernels
+from .. import reference, runtime
+from .low_latency import LowLatency
+from .protocol import MODES, SLOTS, EPConfig
+from ..kernels import all_to_all as kernels
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16

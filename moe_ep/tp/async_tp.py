@@ -8,8 +8,8 @@
 W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
 w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
 ``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``, ``gemm_ar``); the kernels are in
-``moe_ep.kernels.ag_gemm``, ``gemm_rs`` and ``gemm_ar``, the choice of path in ``moe_ep.tp_cost``,
-the autograd functions in ``moe_ep.tp_autograd``.
+``moe_ep.kernels.ag_gemm``, ``gemm_rs`` and ``gemm_ar``, the choice of path in ``moe_ep.tp.cost``,
+the autograd functions in ``moe_ep.tp.autograd``.
 
 Each call takes one of three paths (``overlap``):
   - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
@@ -22,7 +22,7 @@ Each call takes one of three paths (``overlap``):
 ``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
 fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
 slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
-for every later call of that shape. The cost model (``moe_ep.tp_cost``) only orders the candidates
+for every later call of that shape. The cost model (``moe_ep.tp.cost``) only orders the candidates
 and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
@@ -33,7 +33,7 @@ an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each fin
 peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
 M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
 
-The ops are differentiable (``moe_ep.tp_autograd``): the input gradient of each of the first two is
+The ops are differentiable (``moe_ep.tp.autograd``): the input gradient of each of the first two is
 the other op, on the same object and paths; gemm_ar's is local.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel):
@@ -50,15 +50,15 @@ import torch
 import torch.distributed as dist
 import triton
 
-from . import reference, runtime
-from .kernels import ag_gemm as ag_kernels
-from .kernels import gemm_ar as ar_kernels
-from .kernels import gemm_rs as rs_kernels
-from .kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
+from .. import reference, runtime
+from ..kernels import ag_gemm as ag_kernels
+from ..kernels import gemm_ar as ar_kernels
+from ..kernels import gemm_rs as rs_kernels
+from ..kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
                              reset_and_barrier_kernel, tile_config, wait_flag_kernel)
-from .timing import median_us
-from .tp_autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
-from .tp_cost import candidate_paths, measured_choice
+from ..timing import median_us
+from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
+from .cost import candidate_paths, measured_choice
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")

@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from .ep_protocol import SLOTS, EPConfig, EPProtocol
-from .kernels import all_to_all as kernels
-from .shmem import INTERPRETING
+from .protocol import SLOTS, EPConfig, EPProtocol
+from ..kernels import all_to_all as kernels
+from ..shmem import INTERPRETING
 
 # Programs (of 4 warps) per SM, at most: enough for the grid-stride loops to keep rows in flight against HBM
 # and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the

@@ -4,7 +4,7 @@ ops as callables: an ``AsyncTP``'s, or ``moe_ep.reference``'s on a process group
 """
 import torch
 
-from . import reference
+from .. import reference
 
 
 class AllGatherGemm(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """What every EP protocol shares: the layer's shape (``EPConfig``) and the base of a protocol
 object (``EPProtocol``).
 
-A protocol is one kernel module and one class beside it (``ep_low_latency.LowLatency`` over
+A protocol is one kernel module and one class beside it (``low_latency.LowLatency`` over
 ``kernels/all_to_all.py``). The class owns
 that module's buffers (dataclasses, one comment per field) and its bound kernels, and offers the
 front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels.all_to_all import KERNELS, NUM_SLOTS, STAMPS
-from .launcher import BoundKernel
+from ..kernels.all_to_all import KERNELS, NUM_SLOTS, STAMPS
+from ..launcher import BoundKernel
 
 SLOTS = NUM_SLOTS
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import reference
+from .. import reference
 
 # Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
 # hopeless ones; the choice itself is measured (measured_choice).
