@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .. import reference, runtime
+from .. import collectives, reference, runtime
 from ..kernels import ag_gemm as ag_kernels
 from ..kernels import gemm_ar as ar_kernels
 from ..kernels import gemm_rs as rs_kernels
@@ -321,7 +321,7 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "never":
-            reference.reduce_scatter_tensor(out, a @ w, group=self.group)
+            collectives.reduce_scatter_tensor(out, a @ w, group=self.group)
         elif path == "fused":
             config = tile_config(m // self.world, n, a.element_size())
             self._start("tile_flags", self.world * self._rs_tiles(m, n, config))
@@ -361,7 +361,7 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         if path != "fused":                  # _gemm_ar takes "never" where M * W exceeds max_rows
             out = a @ w
-            reference.all_reduce(out, group=self.group)
+            collectives.all_reduce(out, group=self.group)
             return out
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = tile_config(m, n, a.element_size())
