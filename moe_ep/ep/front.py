@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .. import reference, runtime
+from ..kernels import status
 from .low_latency import LowLatency
 from .protocol import MODES, SLOTS, EPConfig
-from ..kernels import all_to_all as kernels
 
 BACKENDS = ("nvshmem", "reference")
 MAX_TOPK = 16
@@ -79,7 +79,7 @@ class EPAllToAll(runtime.CommObject):
             is NCCL (or ranks share a GPU), else the CPU.
     """
 
-    TAGS = kernels.TAGS
+    TAGS = status.TAGS
 
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
@@ -142,7 +142,7 @@ class EPAllToAll(runtime.CommObject):
         `symmetric_zeros(shape, dtype)`, local ones on self.device; grids bounded by `sms` (the same on
         every rank), or by num_sms if fewer. `one_launch`: calls without a receive hook may run both
         phases in one launch (not with several ranks on a GPU: see kernels.all_to_all)."""
-        self._status = torch.zeros(kernels.EP_STATUS_WORDS, dtype=torch.int32,
+        self._status = torch.zeros(status.EP_STATUS_WORDS, dtype=torch.int32,
                                    pin_memory=self.device.type == "cuda")
         self._status_words = self._status.numpy()        # read by the host without a sync: pinned, written by kernels
         sms = min(sms, self.num_sms or sms)
@@ -158,13 +158,13 @@ class EPAllToAll(runtime.CommObject):
         """The base's checks (destroyed, a timeout), then the first out-of-range expert id a dispatch saw."""
         if self._broken or self.backend == "reference":
             return super()._raise_if_failed()
-        if not (self._status_words[0] or self._status_words[kernels.STATUS_BAD_CALL.value]):
+        if not (self._status_words[0] or self._status_words[status.STATUS_BAD_CALL.value]):
             return                                      # the common case: two reads of pinned memory
         super()._raise_if_failed()
-        if self._status_words[kernels.STATUS_BAD_CALL.value]:
+        if self._status_words[status.STATUS_BAD_CALL.value]:
             call, bad, index = (int(self._status_words[w.value]) for w in
-                                (kernels.STATUS_BAD_CALL, kernels.STATUS_BAD_ID, kernels.STATUS_BAD_INDEX))
-            self._status_words[kernels.STATUS_BAD_CALL.value] = 0
+                                (status.STATUS_BAD_CALL, status.STATUS_BAD_ID, status.STATUS_BAD_INDEX))
+            self._status_words[status.STATUS_BAD_CALL.value] = 0
             raise ValueError(f"rank {self.rank}: dispatch call {call} had topk_ids[{index // self.topk}, "
                              f"{index % self.topk}] = {bad}, outside [-1, {self.num_experts}) (-1 = dropped slot); "
                              "it was dropped")

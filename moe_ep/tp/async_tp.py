@@ -56,6 +56,7 @@ from ..kernels import gemm_ar as ar_kernels
 from ..kernels import gemm_rs as rs_kernels
 from ..kernels.matmul import (DEFAULT_VARIANT, FUSED_VARIANTS, descriptor, operand_descriptors,
                              reset_and_barrier_kernel, tile_config, wait_flag_kernel)
+from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE, TAGS, TP_STATUS_WORDS
 from ..timing import median_us
 from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .cost import candidate_paths, measured_choice
@@ -101,7 +102,7 @@ class AsyncTP(runtime.CommObject):
             reference backend, this process's GPU for nvshmem).
     """
 
-    TAGS = {**ag_kernels.TAGS, **rs_kernels.TAGS, **ar_kernels.TAGS}
+    TAGS = TAGS
 
     def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
                  backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0,
@@ -163,7 +164,7 @@ class AsyncTP(runtime.CommObject):
         self._symmetric = {f.name: getattr(self.buffers, f.name) for f in fields(TPBuffers)}
         self._programs = programs
         self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
-        self._status = torch.zeros(5, dtype=torch.int32, pin_memory=self.device.type == "cuda")   # shmem.STATUS_*
+        self._status = torch.zeros(TP_STATUS_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
     def _connect(self, peer_views) -> None:
         """`peer_views(name, buffer)` -> every rank's copy of the TPBuffers field `name` as a tensor whose
@@ -287,7 +288,7 @@ class AsyncTP(runtime.CommObject):
             if step == 0:
                 a = a_shard
             else:
-                self._wait_flag("shard_flags", shard, ag_kernels.TAG_SHARD)
+                self._wait_flag("shard_flags", shard, TAG_AG_SHARD)
                 a = self.buffers.gathered[shard * rows * k:(shard + 1) * rows * k].view(rows, k)
             torch.matmul(a, w, out=out[shard * rows:(shard + 1) * rows])
         return out
@@ -428,7 +429,7 @@ class AsyncTP(runtime.CommObject):
         own = a[self.rank * rows:(self.rank + 1) * rows] @ w
         for src in range(self.world):
             if src != self.rank:
-                self._wait_flag("tile_flags", src, rs_kernels.TAG_TILE)
+                self._wait_flag("tile_flags", src, TAG_RS_TILE)
         numel = out.numel()
         rs_kernels.reduce_partials_kernel[(triton.cdiv(numel, 4096),)](
             own, self.buffers.partials, out, self.rank, self.world, numel, BLOCK=4096, num_warps=8)
