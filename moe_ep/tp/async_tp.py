@@ -147,6 +147,7 @@ class AsyncTP(runtime.CommObject):
         self.backend, self.overlap, self.timeout_s, self.tile_loop = backend, overlap, timeout_s, tile_loop
         self._symmetric: dict[str, torch.Tensor] = {}
         self.buffers: TPBuffers | None = None
+        self._status: torch.Tensor | None = None
         self._broken: str | None = None
         # (op, M, K, N) -> {"path", "times_us": {path: us on the slowest rank}, "first_call_ms": host
         # time spent choosing} for overlap="auto"; filled by the first call of each shape
