@@ -130,8 +130,9 @@ class KernelProtocol(EPProtocol):
         "dispatch" and "combine" for the one-launch kernels, a name of kernel_names + "_prefill" for a
         phase's kernel bound with other tiles), every program's clock word for the bounded waits [grid]; per
         phase (a row per name of kernel_names), the programs finished per slot and the uses of each slot
-        [4, slots] and timing stamps [4, 4] (stamp_names; reset to "none yet" before a timed call). A one-launch kernel keeps both its phases' rows. `sms`:
-        the SMs a grid may fill; `status` the kernels' status words."""
+        [4, slots] and timing stamps [4, 4] (stamp_names; reset to "none yet" before a timed call). A
+        one-launch kernel keeps both its phases' rows. `sms`: the SMs a grid may fill; `status`: the
+        kernels' status words."""
         self.status, self.grid, self.sms = status, grid, sms
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
         self.finished = self.local((len(self.kernel_names), self.slots), torch.int64)
