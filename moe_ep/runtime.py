@@ -103,12 +103,13 @@ class CommObject:
         return int(sms.item())
 
     def destroy(self) -> None:
-        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
-        if self._symmetric:
+        """Free the symmetric buffers (collective). The object cannot be used afterwards. Idempotent, and
+        a no-op for the buffers once ``finalize`` has freed them with the rest of NVSHMEM."""
+        if self._symmetric and _state["initialized"]:
             barrier()
             for buf in self._symmetric.values():
                 free(buf)
-            self._symmetric.clear()
+        self._symmetric.clear()
         self._broken = "destroyed"
 
     def check(self) -> None:
