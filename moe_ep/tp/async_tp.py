@@ -160,6 +160,19 @@ class AsyncTP(runtime.CommObject):
         """overlap="auto"'s decision per shape (``autotune.Autotuner.choices``)."""
         return self.tuner.choices
 
+    def _checked(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+        """What an earlier call left (a timeout) raised, then the checks of this call's operands, before
+        anything runs; (M, K, N) of the call's [M, K] @ [K, N], M over all ranks."""
+        self._raise_if_failed()
+        self._check_operands(op, a, w)
+        (m, k), n = a.shape, w.shape[1]
+        if op == "ag_gemm":
+            m *= self.world                     # a is this rank's shard of the gathered rows
+        elif op == "gemm_rs" and m % self.world:
+            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
+        self.config.check_bounds(op, m, *(("K", k) if op == "ag_gemm" else ("N", n)))
+        return m, k, n
+
     def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
         self._expect(f"{op}: a", a, (self.dtype,), dim=2)
         self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
@@ -179,11 +192,7 @@ class AsyncTP(runtime.CommObject):
         return self._ag_gemm(a_shard, w, return_gathered)
 
     def _ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
-        self._raise_if_failed()
-        self._check_operands("ag_gemm", a_shard, w)
-        rows, k = a_shard.shape
-        m, n = rows * self.world, w.shape[1]
-        self.config.check_bounds("ag_gemm", m, "K", k)
+        m, k, n = self._checked("ag_gemm", a_shard, w)
         if self.backend == "reference":
             return reference.ag_gemm(a_shard, w, self.group, return_gathered)
         path = self.tuner.path("ag_gemm", m, k, n, lambda p: self._ag_gemm_on(p, a_shard, w, False))
@@ -218,13 +227,7 @@ class AsyncTP(runtime.CommObject):
         return self._gemm_rs(a, w)
 
     def _gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        self._raise_if_failed()
-        self._check_operands("gemm_rs", a, w)
-        m, k = a.shape
-        n = w.shape[1]
-        if m % self.world:
-            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
-        self.config.check_bounds("gemm_rs", m, "N", n)
+        m, k, n = self._checked("gemm_rs", a, w)
         if self.backend == "reference":
             return reference.gemm_rs(a, w, self.group)
         path = self.tuner.path("gemm_rs", m, k, n, lambda p: self._gemm_rs_on(p, a, w))
@@ -259,11 +262,7 @@ class AsyncTP(runtime.CommObject):
         return self._gemm_ar(a, w)
 
     def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        self._raise_if_failed()
-        self._check_operands("gemm_ar", a, w)
-        m, k = a.shape
-        n = w.shape[1]
-        self.config.check_bounds("gemm_ar", m, "N", n)
+        m, k, n = self._checked("gemm_ar", a, w)
         if self.backend == "reference":
             return reference.gemm_ar(a, w, self.group)
         fits = m * self.world <= self.max_rows
