@@ -23,7 +23,7 @@ For each, medians of CUDA-event times over back-to-back calls (warm-up excluded)
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
 Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
-perfect overlap. The cost model's predictions (moe_ep.tp_cost.predicted_us) are printed beside.
+perfect overlap. The cost model's predictions (moe_ep.tp.cost.predicted_us) are printed beside.
 Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
 longer); tp.json is rewritten as rows come in, tp.md written at the end; rank 0 prints the table.
 tp.json's `torch_symm_mem_backend` says which symmetric-memory allocator PyTorch's ops ran on (its
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import matmul, tile_config
-from moe_ep.tp_cost import predicted_us
+from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import triton
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .shmem import INTERPRETING
 
@@ -33,6 +34,13 @@ OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_li
 def _address(value):
     """Tensors travel to the launcher as their addresses: one method call fewer per argument and launch."""
     return value.data_ptr() if isinstance(value, torch.Tensor) else value
+
+
+def _descriptor_key(value: TensorDescriptor) -> tuple:
+    """What a tensor descriptor's compiled kernel may depend on: its dtype, box and padding, and the
+    16-byte alignment of its base and strides (more than Triton keys on: a few more entries at most)."""
+    return (value.base.dtype, tuple(value.block_shape), getattr(value, "padding", None),
+            value.base.data_ptr() % 16 == 0, tuple(stride % 16 == 0 for stride in value.strides))
 
 
 def resident_programs(compiled, device) -> int:
@@ -64,7 +72,7 @@ def launch_hooks():
 class BoundKernel:
     """`fn` with its 1-D grid, compile options and every argument but `varying` bound once.
 
-    Call it with the values of `varying` (tensors or ints), positionally, in that order. With
+    Call it with the values of `varying` (tensors, tensor descriptors or ints), positionally, in that order. With
     `resident_on` SMs given, the grid is cut when the kernel is compiled to what that many SMs hold
     at once (``resident_programs``), for kernels whose programs wait for each other.
     """
@@ -94,6 +102,9 @@ class BoundKernel:
                 address = value.data_ptr()
                 key.append((value.dtype, address % 16 == 0))
                 args[position] = address
+            elif isinstance(value, TensorDescriptor):        # the compiled launcher unpacks it
+                key.append(_descriptor_key(value))
+                args[position] = value
             else:
                 key.append((value == 1, value % 16 == 0))
                 args[position] = value

@@ -2,8 +2,9 @@
 
 This module is the test oracle and the ``backend="reference"`` fallback (CPU with gloo, GPU
 with NCCL, or GPU tensors over gloo when several ranks share one GPU: ``all_to_all_single`` and
-the other collectives below move them through host copies there). It imports nothing from the
-rest of the package, so it cannot share a bug with the kernels it checks.
+the other collectives of ``moe_ep.collectives`` move them through host copies there). It imports
+nothing from the rest of the package but those collectives, thin wrappers of torch.distributed's, so it
+cannot share a bug with the kernels it checks; production code never imports it.
 
 Expert-parallel dispatch/combine contract (``moe_ep.EPAllToAll``), world W, experts E,
 E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)):
@@ -35,57 +36,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_into_tensor, all_reduce, all_to_all_single, reduce_scatter_tensor
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
-
-
-# -- collectives --------------------------------------------------------------------------------------
-# torch.distributed's, for tensors on any device and any group backend. NCCL cannot run with several
-# ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as host copies; CPU tensors
-# (a model not yet moved to its GPU) cross an NCCL group as copies on this process's GPU.
-
-# Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
-# older torch has only the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
-    """collective(*outputs, *inputs, group=group, **options); tensors on a device the group's backend does
-    not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and the
-    results are copied back into `outputs`."""
-    tensors = outputs + inputs
-    backend = dist.get_backend(group)
-    served = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
-    if all(t.device.type in served for t in tensors):
-        collective(*tensors, group=group, **options)
-        return
-    stage = "cuda" if "cuda" in served else "cpu"
-    staged = [t if t.device.type in served else t.to(stage) for t in tensors]
-    collective(*staged, group=group, **options)
-    for t, s in zip(outputs, staged):
-        if s is not t:
-            t.copy_(s)
-
-
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None) -> None:
-    _collective(dist.all_to_all_single, [output], [input], group, output_split_sizes=output_split_sizes,
-                input_split_sizes=input_split_sizes)
-
-
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """output [W * n, ...] = every rank's input [n, ...], in rank order."""
-    _collective(_all_gather, [output], [input], group)
-
-
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """output [n, ...] = rows [rank * n, (rank + 1) * n) of the sum over ranks of input [W * n, ...]."""
-    _collective(_reduce_scatter, [output], [input], group)
-
-
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-    _collective(dist.all_reduce, [tensor], [], group, op=op)
 
 
 def quantize_fp8(x: torch.Tensor, group: int = 128):

@@ -67,8 +67,9 @@ class CommObject:
     """What the host objects (EPAllToAll, AsyncTP) share: symmetric buffers that destroy() frees,
     and the status of their kernels' bounded waits, which check() turns into CommTimeoutError.
 
-    Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32[5], see moe_ep.shmem),
-    `_broken` (None), `rank`, `backend`, `timeout_s`, and TAGS (status tag -> what was waited for).
+    Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32, the timeout report of
+    moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `backend`, `timeout_s`,
+    and TAGS (status tag -> what was waited for).
     """
 
     TAGS: dict[int, str] = {}
@@ -102,12 +103,13 @@ class CommObject:
         return int(sms.item())
 
     def destroy(self) -> None:
-        """Free the symmetric buffers (collective). The object cannot be used afterwards."""
-        if self._symmetric:
+        """Free the symmetric buffers (collective). The object cannot be used afterwards. Idempotent, and
+        a no-op for the buffers once ``finalize`` has freed them with the rest of NVSHMEM."""
+        if self._symmetric and _state["initialized"]:
             barrier()
             for buf in self._symmetric.values():
                 free(buf)
-            self._symmetric.clear()
+        self._symmetric.clear()
         self._broken = "destroyed"
 
     def check(self) -> None:
@@ -126,7 +128,7 @@ class CommObject:
             raise RuntimeError(f"this {type(self).__name__} was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
-        if self.backend == "nvshmem" and int(self._status[0]):
+        if self._status is not None and int(self._status[0]):
             _, peer, tag, seen, target = self._status.tolist()[:5]   # the words of moe_ep.shmem.wait_until_ge
             self._broken = (f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
                             f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from cases import expert_fn, make_inputs
 from distributed import gpu_worlds, run
 from moe_ep import CommTimeoutError, EPAllToAll, reference
-from moe_ep.ep_low_latency import ONE_LAUNCH_TOKENS
-from moe_ep.ep_protocol import MODES
+from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
+from moe_ep.ep.protocol import MODES
 from moe_ep.routing import random_topk
 
 pytestmark = pytest.mark.gpu

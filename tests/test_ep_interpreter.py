@@ -14,8 +14,8 @@ import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from moe_ep import EPAllToAll, launcher
-from moe_ep.ep_low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
-from moe_ep.ep_protocol import MODES
+from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
+from moe_ep.ep.protocol import MODES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")

@@ -1,7 +1,9 @@
-"""What the engine integrations rely on, without any engine: combine(..., out=) and the package layout.
+"""What the engine integrations rely on, without any engine: combine(..., out=), the shared all-to-alls'
+teardown and the package layout.
 
 combine writes the caller's tensor when given one (the engines' output), after checking it, and the
-result is the one combine returns without out; `import moe_ep` pulls in no engine.
+result is the one combine returns without out; destroy_all_to_alls destroys what all_to_all shared, and
+destroy() may be called again; `import moe_ep` pulls in no engine.
 """
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import torch
 
 from distributed import run
 from moe_ep import EPAllToAll, random_topk
+from moe_ep.integrations import all_to_all, destroy_all_to_alls
 
 
 def _combine_into_out(rank, world):
@@ -40,6 +43,22 @@ def _combine_into_out(rank, world):
 
 def test_combine_writes_out():
     run(_combine_into_out, 2)
+
+
+def _shared_all_to_alls_are_destroyed(rank, world):
+    shared = all_to_all(4, 16, 4, 2, torch.float32, False, backend="reference")
+    assert all_to_all(4, 16, 4, 2, torch.float32, False, backend="reference") is shared
+    destroy_all_to_alls()
+    destroy_all_to_alls()
+    with pytest.raises(RuntimeError, match="was destroyed"):
+        shared.dispatch(torch.randn(1, 16), *random_topk(1, 4, 2))
+    shared.destroy()                                             # again: nothing left to free
+    assert all_to_all(4, 16, 4, 2, torch.float32, False, backend="reference") is not shared
+    destroy_all_to_alls()
+
+
+def test_shared_all_to_alls_are_destroyed():
+    run(_shared_all_to_alls_are_destroyed, 2)
 
 
 def test_import_needs_no_engine():

@@ -5,7 +5,7 @@ float64 (fp32 and fp16 cases) or fp32 (bf16 on the GPU, where the interpreter's 
 import pytest
 import torch
 
-from moe_ep.kernels.matmul import VARIANTS, matmul, tile_config, tile_loop_arguments
+from moe_ep.kernels.matmul import VARIANTS, loads_through_descriptors, matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 3
@@ -52,6 +52,6 @@ def test_descriptors_refuse_what_tma_cannot_address():
     torch.testing.assert_close(matmul(a, w, PROGRAMS, variant="pointer"), a @ w, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="16-byte aligned"):
         matmul(a, w, PROGRAMS, variant="tma")
-    assert not tile_loop_arguments("tma", a, w, tile_config(8, 130, 4))["TMA"]     # the fused kernels' fallback
+    assert not loads_through_descriptors("tma", a, w)                 # the fused kernels fall back to pointers
     with pytest.raises(ValueError, match="variant"):
         matmul(a, w, PROGRAMS, variant="cublas")

@@ -111,7 +111,7 @@ def _timeout_raises(rank, world):
     tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=0.5)
     a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=3)
     if rank == 0:
-        tp._ag_fused(a, w)                       # no barrier and no peer pushes: nothing lands
+        tp.launches.ag_gemm(a, w)                # no barrier and no peer pushes: nothing lands
         with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank [1-9]"):
             tp.check()
     dist.barrier()

@@ -22,16 +22,13 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0, tile_loop="pointer"):
-    ranks = []
-    for rank in range(world):
-        tp = AsyncTP.__new__(AsyncTP)
-        tp._configure(world, rank, max_rows, max_features, dtype, "nvshmem", "fused", timeout_s, tile_loop)
-        tp.group, tp.device = None, torch.device("cpu")
-        tp._allocate(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs=3)
-        ranks.append(tp)
-    for tp in ranks:
-        tp._connect(lambda name, buf: [other._symmetric[name] for other in ranks])
-    return ranks
+    return AsyncTP.simulated(world, max_rows, max_features, dtype, overlap="fused", timeout_s=timeout_s,
+                             tile_loop=tile_loop, programs=3)
+
+
+def ag_gemm_on(tp, path):
+    """The all-gather GEMM of `path` alone, after the pushes: the fused kernel's, or the chunked GEMMs'."""
+    return (tp.launches if path == "fused" else tp.copies).ag_gemm
 
 
 def weights(world, k, n, dtype, transposed, seed):
@@ -67,8 +64,8 @@ def test_all_gather_gemm(case, path, tile_loop):
         for tp in ranks:
             tp.buffers.shard_flags.zero_()
         for r, tp in enumerate(ranks):
-            tp._ag_push(shards[r], own_copy=True)
-        outs = [getattr(tp, f"_ag_{path}")(shards[r], ws[r]) for r, tp in enumerate(ranks)]
+            tp.copies.push_shard(shards[r], own_copy=True)
+        outs = [ag_gemm_on(tp, path)(shards[r], ws[r]) for r, tp in enumerate(ranks)]
         full = torch.cat(shards).double()
         for r, tp in enumerate(ranks):
             assert torch.equal(tp.buffers.gathered[:world * rows * k].view(-1, k), torch.cat(shards))
@@ -94,14 +91,14 @@ def run_gemm_rs(ranks, a, ws, path):
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every partial bound for a peer
         if path == "fused":
-            tp._rs_launch(a[r], ws[r], outs[r], config, 0, world - 1)
+            tp.launches.gemm_rs(a[r], ws[r], outs[r], config, 0, world - 1)
         else:
-            tp._rs_send_chunked(a[r], ws[r])
+            tp.copies.rs_send(a[r], ws[r])
     for r, tp in enumerate(ranks):                       # then the own rows, which wait for the peers'
         if path == "fused":
-            tp._rs_launch(a[r], ws[r], outs[r], config, world - 1, world)
+            tp.launches.gemm_rs(a[r], ws[r], outs[r], config, world - 1, world)
         else:
-            tp._rs_reduce_chunked(a[r], ws[r], outs[r])
+            tp.copies.rs_reduce(a[r], ws[r], outs[r])
     return outs
 
 
@@ -132,13 +129,13 @@ def test_a_shard_that_never_lands_times_out_naming_rank_and_peer(path):
     w = torch.randn(16, 8)
     for tp in ranks:
         tp.buffers.shard_flags.zero_()
-    ranks[0]._ag_push(shards[0], own_copy=False)             # rank 1 never pushes
-    getattr(ranks[0], f"_ag_{path}")(shards[0], w)
+    ranks[0].copies.push_shard(shards[0], own_copy=False)             # rank 1 never pushes
+    ag_gemm_on(ranks[0], path)(shards[0], w)
     with pytest.raises(CommTimeoutError, match=r"rank 0: all-gather GEMM .* waiting for rank 1"):
         ranks[0].check()
     with pytest.raises(CommTimeoutError):                     # the object stays unusable
         ranks[0].ag_gemm(shards[0], w)
-    getattr(ranks[1], f"_ag_{path}")(shards[1], w)           # rank 0's shard did land: no timeout
+    ag_gemm_on(ranks[1], path)(shards[1], w)           # rank 0's shard did land: no timeout
     ranks[1].check()
 
 
@@ -146,7 +143,7 @@ def test_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
     ranks[0].buffers.tile_flags.zero_()
-    ranks[0]._rs_reduce_chunked(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
+    ranks[0].copies.rs_reduce(a, w, torch.empty(4, 8))      # rank 1 never sent its partials
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
         ranks[0].check()
 
@@ -158,9 +155,9 @@ def run_gemm_ar(ranks, a, ws):
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     for r, tp in enumerate(ranks):                       # every tile published to every rank
-        tp._ar_launch(a[r], ws[r], outs[r], config, publish=True, reduce=False)
+        tp.launches.gemm_ar(a[r], ws[r], outs[r], config, publish=True, reduce=False)
     for r, tp in enumerate(ranks):                       # then the sums, which wait for the peers' tiles
-        tp._ar_launch(a[r], ws[r], outs[r], config, publish=False, reduce=True)
+        tp.launches.gemm_ar(a[r], ws[r], outs[r], config, publish=False, reduce=True)
     return outs
 
 
@@ -196,7 +193,7 @@ def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
     ranks[0].buffers.tile_flags.zero_()
-    ranks[0]._ar_launch(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
+    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
 

@@ -7,7 +7,9 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
-from moe_ep.tp_cost import candidate_paths, measured_choice, predicted_us
+from moe_ep.tp.autotune import Autotuner
+from moe_ep.tp.config import TPConfig
+from moe_ep.tp.cost import candidate_paths, measured_choice, predicted_us
 
 
 def _layers_match(rank, world):
@@ -224,22 +226,21 @@ def _measured_choice_agrees_and_is_cached(rank, world):
     path, times = measured_choice(["chunked", "fused", "never"], mine.get, None, torch.device("cpu"))
     assert path == "never" and times == {"chunked": 200.0, "fused": 150.0, "never": 100.0 + world - 1}
 
-    tp = AsyncTP.__new__(AsyncTP)                       # the nvshmem backend's choice logic, no buffers
-    tp._configure(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0)
-    tp.group, tp.device = None, torch.device("cpu")
+    config = TPConfig(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
+    tp = Autotuner(config, None, torch.device("cpu"))   # the nvshmem backend's choice logic, no buffers
     ran = []
     mine = {"chunked": 10.0 if rank == 0 else 30.0, "fused": 20.0, "never": 40.0}
-    tp._time_us = lambda fn: (fn(), mine[ran[-1]])[1]   # a fake clock: the candidate that just ran
-    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
+    tp.time_us = lambda fn: (fn(), mine[ran[-1]])[1]   # a fake clock: the candidate that just ran
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
     assert ran == ["chunked", "fused", "never"]
     choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
     assert choice["times_us"] == {"chunked": 30.0, "fused": 20.0, "never": 40.0} and choice["first_call_ms"] > 0
-    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 3    # cached
-    assert tp._path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 6    # a new shape
-    assert tp._path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 6           # untimed
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 3    # cached
+    assert tp.path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 6    # a new shape
+    assert tp.path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 6           # untimed
     assert tp.choices[("ag_gemm", 4, 128, 128)]["times_us"] == {}
-    tp.overlap = "chunked"
-    assert tp._path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 6
+    config.overlap = "chunked"
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 6
 
 
 def test_measured_choice_agrees_across_ranks_and_is_cached():

@@ -5,7 +5,8 @@
     sglang         a token dispatcher over EPAllToAll for SGLang's MoE layers, and its plugin
 
 ``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
-``all_to_all``, the EPAllToAll of one layer shape, made once per process, and ``check_local_experts``.
+``all_to_all``, the EPAllToAll of one layer shape, made once per process (``destroy_all_to_alls`` frees
+them all at the end of a job), and ``check_local_experts``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype:
         _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
                                        fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend, device=device)
     return _ALL_TO_ALLS[key]
+
+
+def destroy_all_to_alls() -> None:
+    """Destroy every EPAllToAll all_to_all made, and forget them (collective over their groups, as their
+    construction was; idempotent): at the end of a job, before ``runtime.finalize``. The engines' layers
+    built over them cannot run afterwards; the next all_to_all call makes a new one."""
+    while _ALL_TO_ALLS:
+        _ALL_TO_ALLS.popitem()[1].destroy()
 
 
 def check_local_experts(num_experts: int, num_local_experts: int, group=None) -> int:

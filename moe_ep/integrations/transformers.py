@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import reference
+from .. import collectives
 from ..ep import EPAllToAll
 from ..layers.moe import EPMoE
 
@@ -141,7 +141,7 @@ def verify_layer(block: nn.Module, layer: EPMoE, name: str = "") -> float:
         block.train(training)
     scale = torch.maximum(expected.norm(), got.norm()).clamp_min(torch.finfo(torch.float32).tiny)
     error = ((got - expected).norm() / scale).reshape(1).to(ep.device)
-    reference.all_reduce(error, op=dist.ReduceOp.MAX, group=layer.group)
+    collectives.all_reduce(error, op=dist.ReduceOp.MAX, group=layer.group)
     error, tolerance = error.item(), VERIFY_EPS * torch.finfo(dtype).eps
     if not error <= tolerance:
         raise ValueError(f"swap_moe refuses {what}: the EPMoE differs from it by {error:.3g} (relative L2 error "

@@ -16,9 +16,8 @@ import triton.language as tl
 
 from ..shmem import wait_until_ge
 from .matmul import matmul_tile, matmul_tile_tma, tile_coords
+from .status import TAG_AG_SHARD
 
-TAG_SHARD = tl.constexpr(5)
-TAGS = {TAG_SHARD.value: "all-gather GEMM (waiting for a peer's shard)"}
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "programs"])
@@ -43,7 +42,7 @@ def ag_gemm_kernel(a_local, gathered, w, out, flags, state, status_addr, a_desc,
         shard = (rank + world - step) % world     # own shard first, then in push order
         if step > 0:
             if (shard != waited) & (failed == 0):
-                landed = wait_until_ge(flags + shard, 1, timeout_ns, status, shard, TAG_SHARD, state + pid)
+                landed = wait_until_ge(flags + shard, 1, timeout_ns, status, shard, TAG_AG_SHARD, state + pid)
                 failed = tl.where(landed, 0, 1)
                 waited = shard
             a = gathered + shard.to(tl.int64) * rows * K

@@ -1,7 +1,7 @@
 """Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
 
 Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll``
-(``moe_ep.ep_low_latency``), and a one-launch kernel per direction that runs both (below):
+(``moe_ep.ep.low_latency``), and a one-launch kernel per direction that runs both (below):
 
 dispatch_send   (on every rank, for its own tokens)
     programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
@@ -65,27 +65,12 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import INTERPRETING, STATUS_WORDS, last_to_finish, now_ns, signal_add_all, wait_all_ge
+from ..shmem import INTERPRETING, last_to_finish, now_ns, signal_add_all, wait_all_ge
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
+from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, TAG_COMBINE_ARRIVAL, TAG_COMBINE_CREDIT,
+                     TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
 
 NUM_SLOTS = 2                # double buffering: call n uses slot n % 2
-
-# Which wait timed out, as written into the status tensor.
-TAG_DISPATCH_CREDIT = tl.constexpr(1)
-TAG_DISPATCH_ARRIVAL = tl.constexpr(2)
-TAG_COMBINE_CREDIT = tl.constexpr(3)
-TAG_COMBINE_ARRIVAL = tl.constexpr(4)
-TAGS = {TAG_DISPATCH_CREDIT.value: "dispatch (waiting for the receiver to free its buffer)",
-        TAG_DISPATCH_ARRIVAL.value: "dispatch (waiting for the sender's tokens)",
-        TAG_COMBINE_CREDIT.value: "combine (waiting for the receiver to free its buffer)",
-        TAG_COMBINE_ARRIVAL.value: "combine (waiting for the expert rank's rows)"}
-
-# Status words after the timeout report (moe_ep.shmem): the first out-of-range expert id a dispatch
-# saw (its call number, 0 = none; the id; its flat index into topk_ids).
-STATUS_BAD_CALL = tl.constexpr(STATUS_WORDS)
-STATUS_BAD_ID = tl.constexpr(STATUS_WORDS + 1)
-STATUS_BAD_INDEX = tl.constexpr(STATUS_WORDS + 2)
-EP_STATUS_WORDS = STATUS_WORDS + 3
 
 # Rows of the peer tables.
 D_DATA, D_SCALES, D_IDS, D_WEIGHTS, D_POSITIONS, D_COUNTS, D_TOKENS, D_ARRIVED, D_FREED = (

@@ -27,9 +27,8 @@ import triton.language as tl
 
 from ..shmem import signal_add
 from .matmul import gemm_tile, sum_peer_tiles, tile_coords
+from .status import TAG_AR_TILE
 
-TAG_TILE = tl.constexpr(7)
-TAGS = {TAG_TILE.value: "GEMM all-reduce (waiting for a peer's partials)"}
 
 
 @triton.jit(do_not_specialize=["M", "rank", "world", "programs"])
@@ -70,5 +69,5 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             tl.debug_barrier()                       # this program's stores to its own slot, before its loads
             total, failed = sum_peer_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), partials, slab, offsets, mask,
                                            flags, tiles, t, rank, world, timeout_ns, status, state + pid, failed,
-                                           TAG_TILE, True)
+                                           TAG_AR_TILE, True)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)

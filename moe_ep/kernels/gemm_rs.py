@@ -26,9 +26,8 @@ import triton.language as tl
 
 from ..shmem import signal_add
 from .matmul import gemm_tile, sum_peer_tiles, tile_coords
+from .status import TAG_RS_TILE
 
-TAG_TILE = tl.constexpr(6)
-TAGS = {TAG_TILE.value: "GEMM reduce-scatter (waiting for a peer's partials)"}
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "world", "step_begin", "step_end", "programs"])
@@ -71,7 +70,7 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             signal_add(peer_flags + rank * per_shard + t, 1)
         else:
             total, failed = sum_peer_tiles(part.to(tl.float32), partials, slab, offsets, mask, flags, per_shard, t,
-                                           rank, world, timeout_ns, status, state + pid, failed, TAG_TILE, False)
+                                           rank, world, timeout_ns, status, state + pid, failed, TAG_RS_TILE, False)
             tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
 
 

@@ -48,9 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
 from .matmul import describable, descriptor
-from .quant import cast_rn, dequantize_weights_fp8, fp8_quantize_groups, to_fp8
+from .quant import (cast_rn, dequantize_rows_fp8, dequantize_weights_fp8, fp8_quantize_groups,
+                    quantize_rows_fp8, to_fp8)
 
 # The activations of the gated MLP (``gated_mlp``), by name, and what each means in torch.
 ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
@@ -356,22 +356,22 @@ def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, counts: torch.Tenso
     With FP8 weights, rows that are not FP8 are first quantized per WEIGHT_BLOCK columns, as the
     kernel does on load. activation: None, a name of ACTIVATIONS, or a callable on fp32 tensors.
     Rows past the counts are zero."""
-    if activation is None and w_scales is None:
-        return reference.grouped_gemm(a, w, counts, scales, group).to(out_dtype or w.dtype)
     out_dtype = out_dtype or (torch.bfloat16 if w_scales is not None else w.dtype)
     if w_scales is not None:
         w = dequantize_weights_fp8(w, w_scales, WEIGHT_BLOCK.value)
         if scales is None:
-            q, scales = reference.quantize_fp8(a.reshape(-1, a.shape[-1]), WEIGHT_BLOCK.value)
-            a, scales, group = q.view(a.shape), scales.view(*a.shape[:-1], -1), WEIGHT_BLOCK.value
+            a, scales = quantize_rows_fp8(a, WEIGHT_BLOCK.value)
+            group = WEIGHT_BLOCK.value
     act = ACTIVATIONS.get(activation, activation)
     n_out = w.shape[1] // 2 if activation is not None else w.shape[1]
     out = torch.zeros((*a.shape[:2], n_out), dtype=out_dtype, device=a.device)
     for e, count in enumerate(counts.tolist()):
         rows = a[e, :count]
-        rows = reference.dequantize_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
+        rows = dequantize_rows_fp8(rows, scales[e, :count], group) if scales is not None else rows.float()
         y = rows @ w[e].float().t()
-        if activation is not None:
+        if activation is None:
+            y = y.to(w.dtype)          # without an activation the GEMM rounds to the weights' dtype first
+        else:
             gate, up = y.chunk(2, dim=-1)
             y = act(gate) * up
         out[e, :count] = y.to(out_dtype)

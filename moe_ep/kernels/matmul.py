@@ -21,7 +21,7 @@ all but one of bench_gemm.py's shapes (benchmarks/NOTES.md). The fused kernels c
 all-gather GEMM waits for a shard's flag before its tiles load it, and a flattened loop would issue
 those loads ahead of the wait. They take FUSED_VARIANTS; DEFAULT_VARIANT is "tma" (10-20% faster than
 pointer loads on every shape measured), falling back to pointers for operands TMA cannot address
-(``tile_loop_arguments``). (A warp-specialized loop, triton 3.6's ``tl.range(warp_specialize=True)``,
+(``loads_through_descriptors``). (A warp-specialized loop, triton 3.6's ``tl.range(warp_specialize=True)``,
 never returned from its first call on an H200: not offered.)
 
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
@@ -218,14 +218,12 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block)
 
 
-def tile_loop_arguments(variant: str, a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
-    """gemm_tile's loading arguments for a fused kernel whose tile loop is `variant` (of FUSED_VARIANTS):
-    TMA with ``operand_descriptors``, or pointers where the variant is "pointer" or TMA cannot address
-    a or w (``describable``)."""
+def loads_through_descriptors(variant: str, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a fused kernel whose tile loop is `variant` (of FUSED_VARIANTS) loads a [M, K] and w [K, N]
+    through tensor descriptors: "tma", where TMA can address both (``describable``; w through w.T when
+    its columns are contiguous). Pointers otherwise."""
     w_rows = w.t() if w.stride(1) != 1 else w
-    if variant == "pointer" or not (describable(a) and describable(w_rows)):
-        return dict(a_desc=None, w_desc=None, W_KMAJOR=False, TMA=False)
-    return dict(operand_descriptors(a, w, config), TMA=True)
+    return variant != "pointer" and describable(a) and describable(w_rows)
 
 
 def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:

@@ -142,3 +142,16 @@ def dequantize_weights_fp8(q: torch.Tensor, scales: torch.Tensor, block: int = 1
     """(q [E, N, K] fp8, scales [E, N / block, K / block]) -> float32 [E, N, K]."""
     full = scales.repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
     return q.float() * full
+
+
+def quantize_rows_fp8(x: torch.Tensor, group: int = 128):
+    """x [..., H] -> (q [..., H] float8_e4m3fn, scales [..., H / group] float32) in plain torch, the formula
+    of the module docstring per `group` columns: for host paths without the kernel (CPU)."""
+    groups = x.float().unflatten(-1, (-1, group))
+    scales = groups.abs().amax(-1).clamp(min=AMAX_FLOOR.value) * INV_FP8_MAX.value
+    return (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2), scales
+
+
+def dequantize_rows_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """(q [..., H] fp8, scales [..., H / group]) -> float32 [..., H]."""
+    return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)

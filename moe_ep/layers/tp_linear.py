@@ -21,7 +21,7 @@ be a multiple of tp and one all-reduce per MLP replaces a gather and a scatter.
     y = down(act(up(x)))                      # x, y: [M, H], the same on every rank
 
 The layers train: the gradient of an all-gather GEMM's input is a GEMM reduce-scatter and the
-other way round (``moe_ep.tp_autograd.AllGatherGemm``, ``GemmReduceScatter``), on the same backend as
+other way round (``moe_ep.tp.autograd.AllGatherGemm``, ``GemmReduceScatter``), on the same backend as
 the forward. With sequence parallelism a row-parallel layer's bias is whole on every rank and
 added to this rank's rows, so its gradient holds this rank's rows' share: all-reduce it over the
 group before the optimizer step, as any parameter replicated under sequence parallelism.
@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import reference
 from ..tp import AsyncTP
-from ..tp_autograd import AllGatherGemm, AllReduceGrad, GemmAllReduce, GemmReduceScatter
+from ..tp.autograd import AllGatherGemm, AllReduceGrad, GemmAllReduce, GemmReduceScatter
 
 
 def _split(total: int, world: int, what: str) -> int:

@@ -4,7 +4,7 @@ ops as callables: an ``AsyncTP``'s, or ``moe_ep.reference``'s on a process group
 """
 import torch
 
-from . import reference
+from .. import collectives
 
 
 class AllGatherGemm(torch.autograd.Function):
@@ -100,5 +100,5 @@ class AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)
-        reference.all_reduce(grad, group=ctx.group)
+        collectives.all_reduce(grad, group=ctx.group)
         return grad, None

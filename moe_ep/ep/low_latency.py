@@ -11,9 +11,12 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from .ep_protocol import SLOTS, EPConfig, EPProtocol
-from .kernels import all_to_all as kernels
-from .shmem import INTERPRETING
+from ..kernels import all_to_all as kernels
+from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX
+from ..shmem import INTERPRETING
+from .protocol import EPConfig, EPResources, KernelProtocol
+
+SLOTS = kernels.NUM_SLOTS
 
 # Programs (of 4 warps) per SM, at most: enough for the grid-stride loops to keep rows in flight against HBM
 # and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the
@@ -102,17 +105,25 @@ def layout_tile(config: EPConfig) -> tuple[int, int]:
     return ids, min(triton.next_power_of_2(config.num_experts), max(1, LAYOUT_TILE // ids))
 
 
-class LowLatency(EPProtocol):
-    """The low-latency protocol of one EPAllToAll: its buffers, grids and bound kernels."""
+class LowLatency(KernelProtocol):
+    """The low-latency protocol of one EPAllToAll: its buffers, grids, bound kernels and status words."""
 
     name = "low_latency"
+    slots = SLOTS
+    kernel_names = kernels.KERNELS
+    stamp_names = kernels.STAMPS
     one_launch_tokens = ONE_LAUNCH_TOKENS
 
-    def __init__(self, config: EPConfig, symmetric_zeros, device: torch.device, status: torch.Tensor, sms: int,
-                 one_launch: bool):
-        """Buffers: symmetric ones from `symmetric_zeros(shape, dtype)`, local ones on `device`. Grids are
-        bounded by `sms` (the same on every rank) times PROGRAMS_PER_SM. `one_launch`: see EPProtocol."""
-        self.one_launch = one_launch
+    def __init__(self, config: EPConfig, resources: EPResources):
+        """Buffers: symmetric ones from resources.symmetric_zeros(shape, dtype), local ones on its device.
+        Grids are bounded by resources.sms times PROGRAMS_PER_SM. The status words: the timeout report,
+        then the first out-of-range expert id a dispatch saw (kernels.status), pinned on a GPU so that
+        the host reads them without a sync."""
+        super().__init__(config, resources)
+        symmetric_zeros, device, sms = resources.symmetric_zeros, resources.device, resources.sms
+        self.one_launch = resources.one_launch
+        status = torch.zeros(EP_STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._words = status.numpy()                  # written by the kernels, read by the host
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
         self.layout_ids, self.layout_experts = layout_tile(config)
@@ -130,13 +141,26 @@ class LowLatency(EPProtocol):
         grid["dispatch_send_prefill"] += layout
         if INTERPRETING:            # one program at a time: a second one could never be waited for
             grid["dispatch"] = grid["combine"] = 1
-        self._start(config, device, status, grid, sms)
+        self._start(status, grid, sms)
         self.dispatch_buffers = dispatch_buffers(config, symmetric_zeros, self.local)
         self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
                                               arrived=symmetric_zeros((S, W), torch.int64),
                                               freed=symmetric_zeros((S, W), torch.int64),
                                               out=self.local((S, T, H), config.dtype))
         self.publish(kernels.DISPATCH_PEERS, kernels.COMBINE_PEERS)
+
+    def reported(self) -> bool:
+        """A timeout, or an out-of-range expert id: two reads of pinned memory."""
+        return bool(self._words[0] or self._words[STATUS_BAD_CALL.value])
+
+    def raise_reported(self) -> None:
+        """ValueError naming the first out-of-range expert id a dispatch saw (the id was dropped)."""
+        if self._words[STATUS_BAD_CALL.value]:
+            call, bad, index = (int(self._words[w.value]) for w in (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX))
+            self._words[STATUS_BAD_CALL.value] = 0
+            c = self.config
+            raise ValueError(f"rank {c.rank}: dispatch call {call} had topk_ids[{index // c.topk}, {index % c.topk}] "
+                             f"= {bad}, outside [-1, {c.num_experts}) (-1 = dropped slot); it was dropped")
 
     def connect(self, peer_addresses) -> None:
         """Peer tables and bound kernels: per slot (and, for combine_send, per slot of the dispatch it

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import reference
+from .. import collectives
 
 # Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
 # hopeless ones; the choice itself is measured (measured_choice).
@@ -58,5 +58,5 @@ def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str,
     its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
     which calls this collectively with the same candidates in the same order."""
     times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
-    reference.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))

@@ -1,35 +1,35 @@
-"""What every EP protocol shares: the layer's shape (``EPConfig``) and the base of a protocol
-object (``EPProtocol``).
+"""What every EP protocol shares: the layer's shape (``EPConfig``), what the front hands a protocol
+(``EPResources``), what a protocol offers the front (``EPProtocol``), and the machinery of the protocols
+that run Triton kernels over symmetric buffers (``KernelProtocol``).
 
-A protocol is one kernel module and one class beside it (``ep_low_latency.LowLatency`` over
-``kernels/all_to_all.py``). The class owns
-that module's buffers (dataclasses, one comment per field) and its bound kernels, and offers the
-front (``moe_ep.ep.EPAllToAll``) its launches, each on the current stream:
+A protocol owns its buffers, its launches and its status words; the front (``front.EPAllToAll``) checks
+every argument, counts calls into buffer slots, makes handles and hooks, and a protocol trusts all that.
+What it offers, each launch on the current stream:
 
     dispatch_send(slot, x, topk_ids, topk_weights, call, mode)   # this rank's tokens to their ranks
     dispatch_recv(slot)                                          # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)                # weighted sums back to their sources
     combine_recv(slot, out, topk_ids, num_tokens)                # adds them up into out [T, H]
-    dispatch(...), combine(...)                                  # both phases (one launch where it may)
+    dispatch(...), combine(...) -> y                             # both phases (one launch where it may)
+    combined(slot, num_tokens)                                   # combine's y [T, H] when no `out` is given
+
+A protocol whose sends deliver at once (``receives_at_send``: the reference) offers dispatch and
+combine only: the front runs them whole and hands out a hook that does nothing.
 
 `mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
 protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to
 `one_launch_tokens` tokens, prefill above.
-
-The front has checked every argument; a protocol trusts them. A new protocol is a new pair of
-files beside these.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 
-from .kernels.all_to_all import KERNELS, NUM_SLOTS, STAMPS
-from .launcher import BoundKernel
+from ..launcher import BoundKernel
 
-SLOTS = NUM_SLOTS
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
 
 
@@ -45,7 +45,7 @@ class EPConfig:
     dtype: torch.dtype         # of x, expert_out and combine's output
     fp8_group: int | None      # columns per FP8 scale, None: no FP8 dispatch
     timeout_s: float           # bound of every device-side wait
-    validate: bool             # range-check topk_ids on the device
+    validate: bool             # range-check topk_ids
     timing: bool               # per-phase device timestamps
 
     @property
@@ -62,8 +62,57 @@ class EPConfig:
         return self.hidden // self.fp8_group if self.fp8_group else 1
 
 
+@dataclass(frozen=True)
+class EPResources:
+    """What the front hands a protocol besides the config: where it runs and how it allocates."""
+    group: object                          # the process group (None: the default one, or a simulated world)
+    device: torch.device                   # where x, the outputs and the local buffers live
+    symmetric_zeros: Callable | None = None   # (shape, dtype) -> a zeroed symmetric tensor (collective)
+    sms: int = 1                           # SMs a grid may fill, the same on every rank
+    one_launch: bool = True                # calls without a receive hook may run both phases in one launch
+                                           # (not with several ranks on a GPU: see kernels.all_to_all)
+
+
 class EPProtocol:
-    """The base of a protocol: per-kernel program state, timing stamps, peer tables, bound launches.
+    """What the front asks of a protocol. A protocol declares its `slots` (call n uses slot n % slots: its
+    results stay valid until `slots` calls later), `symmetric` (the buffers destroy() frees), `status` (its
+    kernels' int32 status words, the timeout report of ``moe_ep.shmem`` first, or None) and `outputs`
+    (per slot, (recv_x, recv_scales, recv_count, recv_src) of the slot's last dispatch), and offers the
+    launches of the module docstring."""
+
+    name = ""
+    slots = 2
+    receives_at_send = False   # sends deliver at once: the front runs both phases and hands out a no-op hook
+    checks_ids_on_host = False   # topk_ids are range-checked by check_ids before a dispatch, not on the device
+    one_launch_tokens = 0      # "auto" dispatches of more tokens take the prefill tiles
+    status: torch.Tensor | None = None
+
+    def __init__(self, config: EPConfig, resources: EPResources):
+        self.config, self.device = config, resources.device
+        self.symmetric: dict[str, torch.Tensor] = {}
+
+    def connect(self, peer_addresses) -> None:
+        """After every rank has built its protocol (collective): `peer_addresses(name, buffer)` -> every
+        rank's address of the symmetric buffer `name`. Protocols without peer tables need nothing."""
+
+    def check_ids(self, topk_ids: torch.Tensor) -> None:
+        """ValueError if an id lies outside [-1, E) (protocols with checks_ids_on_host)."""
+
+    def reported(self) -> bool:
+        """Whether the status words hold a report (a timeout, or a protocol's own): cheap, no sync."""
+        return False
+
+    def raise_reported(self) -> None:
+        """Raise what the protocol's own status words report (a timeout is the front's to raise)."""
+
+    def breakdown(self) -> dict[str, float]:
+        raise ValueError(f"the {self.name} protocol records no timing")
+
+
+class KernelProtocol(EPProtocol):
+    """The base of a protocol over Triton kernels: per-kernel program state, timing stamps, peer tables,
+    bound launches. A subclass declares `kernel_names` (its four phase kernels: dispatch_send,
+    dispatch_recv, combine_send, combine_recv) and `stamp_names` (the columns of a kernel's timing row).
 
     Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot)
     in ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy()
@@ -73,26 +122,26 @@ class EPProtocol:
     and dispatch slot), and `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
     """
 
-    name = ""
+    kernel_names: tuple[str, ...] = ()
+    stamp_names: tuple[str, ...] = ()
 
-    def _start(self, config: EPConfig, device: torch.device, status: torch.Tensor, grid: dict[str, int],
-               sms: int) -> None:
-        """Program state, all int64: per kernel of `grid` (name -> programs: the names of
-        kernels.all_to_all.KERNELS, "dispatch" and "combine" for the one-launch kernels, a name of
-        KERNELS + "_prefill" for a phase's kernel bound with other tiles), every
-        program's clock word for the bounded waits [grid]; per phase (a row per name of KERNELS), the
-        programs finished per slot and the uses of each slot [4, SLOTS] and timing stamps [4, 4] (STAMPS;
-        reset to "none yet" before a timed call). A one-launch kernel keeps both its phases' rows. `sms`:
-        the SMs a grid may fill."""
-        self.config, self.device, self.status, self.grid, self.sms = config, device, status, grid, sms
+    def _start(self, status: torch.Tensor, grid: dict[str, int], sms: int) -> None:
+        """Program state, all int64: per kernel of `grid` (name -> programs: the names of kernel_names,
+        "dispatch" and "combine" for the one-launch kernels, a name of kernel_names + "_prefill" for a
+        phase's kernel bound with other tiles), every program's clock word for the bounded waits [grid]; per
+        phase (a row per name of kernel_names), the programs finished per slot and the uses of each slot
+        [4, slots] and timing stamps [4, 4] (stamp_names; reset to "none yet" before a timed call). A
+        one-launch kernel keeps both its phases' rows. `sms`: the SMs a grid may fill; `status`: the
+        kernels' status words."""
+        self.status, self.grid, self.sms = status, grid, sms
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
-        self.finished = self.local((len(KERNELS), SLOTS), torch.int64)
-        self.uses = self.local((len(KERNELS), SLOTS), torch.int64)
-        self.stamps = self.local((len(KERNELS), len(STAMPS)), torch.int64)
+        self.finished = self.local((len(self.kernel_names), self.slots), torch.int64)
+        self.uses = self.local((len(self.kernel_names), self.slots), torch.int64)
+        self.stamps = self.local((len(self.kernel_names), len(self.stamp_names)), torch.int64)
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
         self._combined_views: dict[tuple[int, int], torch.Tensor] = {}
-        self._receivers: list = [None] * SLOTS       # per slot: the receive kernel of its last dispatch_send
+        self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
 
     def local(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -122,8 +171,8 @@ class EPProtocol:
         send row first (the kernel reaches the receive row by its offset), and a grid that fits on the
         SMs at once: its programs wait for each other between the phases."""
         phase = name.removesuffix("_prefill")          # a split kernel bound with other tiles: the same phase
-        one_launch = phase not in KERNELS
-        row = KERNELS.index(f"{phase}_send" if one_launch else phase)
+        one_launch = phase not in self.kernel_names
+        row = self.kernel_names.index(f"{phase}_send" if one_launch else phase)
         return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if one_launch else None, slot=slot,
                            clock_ptr=self.clocks[name], finished_ptr=self.finished[row], uses_ptr=self.uses[row],
                            stamps_ptr=self.stamps[row], **self.common_arguments(), **arguments)
@@ -135,7 +184,7 @@ class EPProtocol:
         self.symmetric = {f"{self.name}.dispatch.{n}": getattr(d, n) for n in dispatch_peers}
         self.symmetric.update({f"{self.name}.combine.{n}": getattr(c, n) for n in combine_peers})
         self.outputs = [(d.recv_x[s], d.recv_scales[s] if self.config.fp8_group else None, d.recv_count[s],
-                         d.recv_src[s]) for s in range(SLOTS)]
+                         d.recv_src[s]) for s in range(self.slots)]
 
     def combined(self, slot: int, num_tokens: int) -> torch.Tensor:
         """Combine's output for a call of `num_tokens` tokens in `slot`: a view of the slot's [T_max, H]
@@ -147,8 +196,7 @@ class EPProtocol:
 
     # --------------------------------------------------------------------- launches (bound in connect)
 
-    one_launch = True          # calls without a receive hook may run both phases in one launch (False with
-    one_launch_tokens = 0      # several ranks on a GPU); "auto" dispatches of more tokens take the prefill tiles
+    one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
@@ -160,14 +208,18 @@ class EPProtocol:
         self.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
         self.dispatch_recv(slot)
 
-    def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
-        """Both phases of a combine, for a call without a receive hook: in one launch with `one_launch`."""
+    def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> torch.Tensor:
+        """Both phases of a combine, for a call without a receive hook: in one launch with `one_launch`.
+        Returns y: `out`, or without it (None) the view ``combined`` makes."""
+        if out is None:
+            out = self.combined(slot, num_tokens)
         if not self.one_launch:
             self.combine_send(slot, dispatch_slot, expert_out)
             self.combine_recv(slot, out, topk_ids, num_tokens)
-            return
+            return out
         self.reset_stamps("combine")
         self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
+        return out
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
@@ -200,7 +252,7 @@ class EPProtocol:
 
     def breakdown(self) -> dict[str, float]:
         """Microseconds per phase of the last dispatch and combine (see EPAllToAll.breakdown)."""
-        stamps = dict(zip(KERNELS, self.stamps.tolist()))
+        stamps = dict(zip(self.kernel_names, self.stamps.tolist()))
         out = {}
         for op in ("dispatch", "combine"):
             (s_start, _, s_worked, s_signaled), (_, r_waited, r_worked, _) = stamps[f"{op}_send"], stamps[f"{op}_recv"]

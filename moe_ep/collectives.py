@@ -1,0 +1,54 @@
+"""The torch.distributed collectives the host paths use, for tensors on any device and any group backend.
+
+NCCL cannot run with several ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as
+host copies; CPU tensors (a model not yet moved to its GPU) cross an NCCL group as copies on this process's
+GPU. Production code (the plain paths of ``moe_ep.tp``, its cost model and autograd functions, the
+checks of ``moe_ep.integrations``) and the oracle (``moe_ep.reference``) both call these.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
+# older torch has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
+    """collective(*outputs, *inputs, group=group, **options); tensors on a device the group's backend does
+    not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and the
+    results are copied back into `outputs`."""
+    tensors = outputs + inputs
+    backend = dist.get_backend(group)
+    served = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
+    if all(t.device.type in served for t in tensors):
+        collective(*tensors, group=group, **options)
+        return
+    stage = "cuda" if "cuda" in served else "cpu"
+    staged = [t if t.device.type in served else t.to(stage) for t in tensors]
+    collective(*staged, group=group, **options)
+    for t, s in zip(outputs, staged):
+        if s is not t:
+            t.copy_(s)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None) -> None:
+    _collective(dist.all_to_all_single, [output], [input], group, output_split_sizes=output_split_sizes,
+                input_split_sizes=input_split_sizes)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """output [W * n, ...] = every rank's input [n, ...], in rank order."""
+    _collective(_all_gather, [output], [input], group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """output [n, ...] = rows [rank * n, (rank + 1) * n) of the sum over ranks of input [W * n, ...]."""
+    _collective(_reduce_scatter, [output], [input], group)
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+    _collective(dist.all_reduce, [tensor], [], group, op=op)

@@ -1,0 +1,282 @@
+"""AsyncTP: the host object that owns the async tensor-parallel buffers and launches its three ops.
+
+    tp = AsyncTP(max_rows=16384, max_features=28672)     # collective, once per process group
+    out = tp.ag_gemm(a_shard, w)      # a_shard [M/W, K], w [K, N]   -> all_gather(a_shard) @ w   [M, N]
+    out = tp.gemm_rs(a, w)            # a [M, K], w [K, N]           -> reduce_scatter(a @ w)     [M/W, N]
+    out = tp.gemm_ar(a, w)            # a [M, K], w [K, N]           -> all_reduce(a @ w)         [M, N]
+
+W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do.
+w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the results mean is
+``moe_ep.reference``'s contract (``ag_gemm``, ``gemm_rs``, ``gemm_ar``); the kernels are in
+``moe_ep.kernels.ag_gemm``, ``gemm_rs`` and ``gemm_ar``. The object checks the calls and picks each
+call's path; the rest are units of their own: its config and named buffers (``config``), its bound
+launches (``launches``), the copy-engine steps (``copy_engine``), the choice of path (``autotune`` over
+the cost model of ``cost``) and the autograd functions (``autograd``).
+
+Each call takes one of three paths (``overlap``):
+  - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
+    or stores its partial tiles straight into the peers and sums the peers' tiles into its own
+    (reduce-scatter): ``moe_ep.kernels.ag_gemm`` / ``gemm_rs``, their tile loop on pointer loads
+    or on TMA tensor descriptors (``tile_loop``);
+  - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
+    between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
+  - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
+``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
+fixes dtype and group) times the candidate paths on its operands, takes each path's time on its
+slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest
+for every later call of that shape. The cost model (``cost``) only orders the candidates
+and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+``choices`` holds each decision: the path, the times it was chosen by, and what the first call
+cost. That first call synchronizes the device: make it before capturing a CUDA graph.
+``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
+
+``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
+an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
+peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
+M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
+
+The ops are differentiable (``autograd``): the input gradient of each of the first two is
+the other op, on the same object and paths; gemm_ar's is local.
+
+Every call of an overlapped path begins with a barrier over the group (one small kernel):
+buffers are reused from call to call, and a peer may write into them only once this rank is
+done with the previous call. Calls must be made in the same order on every rank.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives, reference, runtime
+from ..kernels.matmul import DEFAULT_VARIANT, tile_config
+from ..kernels.status import TAGS, TP_STATUS_WORDS
+from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
+from .autotune import Autotuner
+from .config import TPBuffers, TPConfig, tp_buffers
+from .copy_engine import CopyEngine
+from .launches import Launches
+
+
+def _config_field(name: str, settable: bool = False) -> property:
+    """An attribute that is ``config.<name>`` (read-only unless `settable`)."""
+    setter = (lambda self, value: setattr(self.config, name, value)) if settable else None
+    return property(attrgetter(f"config.{name}"), setter, doc=f"``config.{name}``")
+
+
+class AsyncTP(runtime.CommObject):
+    """All-gather GEMM, GEMM reduce-scatter and GEMM all-reduce over one process group (collective
+    constructor).
+
+    Args:
+        max_rows: most rows M of any call (the gathered A, the un-scattered output).
+        max_features: most K of an ag_gemm call and most N of a gemm_rs or gemm_ar call.
+        group: the process group (NVSHMEM backend: NVSHMEM spans its ranks; one such group per process).
+        dtype: dtype of every operand and output (bfloat16, float16 or float32).
+        backend: "nvshmem" (Triton kernels, copy engine and NVLink) or "reference" (torch.distributed).
+        overlap: "auto", "fused", "chunked" or "never" (see the module docstring).
+        timeout_s: bound of every device-side wait.
+        tile_loop: how the fused kernels load their operands, one of ``kernels.matmul.FUSED_VARIANTS``
+            ("pointer", or "tma": tensor descriptors, which need a and w with 16-byte aligned rows).
+        device: where the operands and outputs live (``EPAllToAll``'s rule: any device for the
+            reference backend, this process's GPU for nvshmem).
+    """
+
+    TAGS = TAGS
+    world, rank, backend = _config_field("world"), _config_field("rank"), _config_field("backend")
+    max_rows, max_features = _config_field("max_rows"), _config_field("max_features")
+    dtype, timeout_s = _config_field("dtype"), _config_field("timeout_s")
+    overlap, tile_loop = _config_field("overlap", settable=True), _config_field("tile_loop", settable=True)
+
+    def __init__(self, max_rows: int, max_features: int, group=None, dtype: torch.dtype = torch.bfloat16,
+                 backend: str = "nvshmem", overlap: str = "auto", timeout_s: float = 10.0,
+                 tile_loop: str = DEFAULT_VARIANT, device: torch.device | str | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
+        rank = dist.get_rank(group)
+        self._configure(TPConfig(dist.get_world_size(group), rank, max_rows, max_features, dtype, backend, overlap,
+                                 timeout_s, tile_loop))
+        sms = self._open(group, backend, device)
+        self.tuner = Autotuner(self.config, group, self.device)
+        if sms is None:
+            return
+        self._build(runtime.symmetric_zeros, sms)
+        self._connect(lambda name, buf: [buf if r == rank else runtime.peer_tensor(buf, r) for r in range(self.world)],
+                      torch.cuda.Stream(self.device))
+        runtime.barrier()
+
+    @classmethod
+    def simulated(cls, world: int, max_rows: int, max_features: int, dtype: torch.dtype = torch.float32,
+                  overlap: str = "fused", timeout_s: float = 5.0, tile_loop: str = DEFAULT_VARIANT,
+                  programs: int = 3) -> list[AsyncTP]:
+        """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM: the
+        symmetric buffers are plain tensors, a rank's peer views the other ranks' tensors, and copies and
+        flags are made by the host. Under the Triton interpreter the kernels run for real, one program at
+        a time: run each phase of a call (pushes and sends, then the waiting GEMMs) on every rank in turn."""
+        ranks = []
+        for rank in range(world):
+            tp = cls.__new__(cls)
+            tp._configure(TPConfig(world, rank, max_rows, max_features, dtype, "nvshmem", overlap, timeout_s,
+                                   tile_loop))
+            tp.group, tp.device = None, torch.device("cpu")
+            tp.tuner = Autotuner(tp.config, None, tp.device)
+            tp._build(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs)
+            ranks.append(tp)
+        for tp in ranks:
+            tp._connect(lambda name, buf: [other._symmetric[name] for other in ranks], None)
+        return ranks
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _configure(self, config: TPConfig) -> None:
+        self.config = config
+        self.buffers: TPBuffers | None = None
+        self._symmetric: dict[str, torch.Tensor] = {}
+        self._status: torch.Tensor | None = None
+        self._broken: str | None = None
+
+    def _build(self, symmetric_zeros, programs: int) -> None:
+        """The TPBuffers from `symmetric_zeros(shape, dtype)`, the clock words of `programs` programs (every
+        grid's bound, the same on every rank) and the status words."""
+        self.buffers = tp_buffers(self.config, symmetric_zeros)
+        self._symmetric = dict(vars(self.buffers))
+        self._programs = programs
+        self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
+        self._status = torch.zeros(TP_STATUS_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def _connect(self, peer_views, copy_stream: torch.cuda.Stream | None) -> None:
+        """The launches and the copy-engine steps. `peer_views(name, buffer)` -> every rank's copy of the
+        TPBuffers field `name` as a tensor this rank can address (NVLink); the kernels' address tables come
+        from them, and the copy engine writes through them."""
+        views = {name: peer_views(name, buf) for name, buf in self._symmetric.items()}
+        peers = {name: torch.tensor([v.data_ptr() for v in copies], dtype=torch.int64, device=self.device)
+                 for name, copies in views.items()}
+        self.launches = Launches(self.config, self.buffers, peers, self._state, self._status, self._programs)
+        self.copies = CopyEngine(self.config, self.buffers, views, self.launches, copy_stream)
+
+    @property
+    def choices(self) -> dict[tuple, dict]:
+        """overlap="auto"'s decision per shape (``autotune.Autotuner.choices``)."""
+        return self.tuner.choices
+
+    def _checked(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+        """What an earlier call left (a timeout) raised, then the checks of this call's operands, before
+        anything runs; (M, K, N) of the call's [M, K] @ [K, N], M over all ranks."""
+        self._raise_if_failed()
+        self._check_operands(op, a, w)
+        (m, k), n = a.shape, w.shape[1]
+        if op == "ag_gemm":
+            m *= self.world                     # a is this rank's shard of the gathered rows
+        elif op == "gemm_rs" and m % self.world:
+            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
+        self.config.check_bounds(op, m, *(("K", k) if op == "ag_gemm" else ("N", n)))
+        return m, k, n
+
+    def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
+        self._expect(f"{op}: a", a, (self.dtype,), dim=2)
+        self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
+        if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
+            raise ValueError(f"{op}: w spans 2**31 elements or more; the kernels use 32-bit offsets")
+        if a.shape[1] != w.shape[0]:
+            raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
+
+    # ------------------------------------------------------------------------------------ all-gather GEMM
+
+    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
+        """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked).
+
+        Differentiable (``AllGatherGemm``): the gradient of a_shard is a GEMM reduce-scatter."""
+        if torch.is_grad_enabled() and (a_shard.requires_grad or w.requires_grad):
+            return AllGatherGemm.apply(a_shard, w, self._ag_gemm, self._gemm_rs, return_gathered)
+        return self._ag_gemm(a_shard, w, return_gathered)
+
+    def _ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
+        m, k, n = self._checked("ag_gemm", a_shard, w)
+        if self.backend == "reference":
+            return reference.ag_gemm(a_shard, w, self.group, return_gathered)
+        path = self.tuner.path("ag_gemm", m, k, n, lambda p: self._ag_gemm_on(p, a_shard, w, False))
+        return self._ag_gemm_on(path, a_shard, w, return_gathered)
+
+    def _ag_gemm_on(self, path: str, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool):
+        rows, k = a_shard.shape
+        m = rows * self.world
+        if path == "never":
+            gathered = torch.empty((m, k), dtype=a_shard.dtype, device=a_shard.device)
+            collectives.all_gather_into_tensor(gathered, a_shard.contiguous(), group=self.group)
+            out = gathered @ w
+            return (out, gathered) if return_gathered else out
+        self.launches.reset("shard_flags", self.world)
+        self.copies.push_shard(a_shard, return_gathered)
+        out = (self.launches if path == "fused" else self.copies).ag_gemm(a_shard, w)
+        self.copies.join()
+        if return_gathered:
+            return out, self.buffers.gathered[:m * k].view(m, k).clone()
+        return out
+
+    # ------------------------------------------------------------------------------------ GEMM reduce-scatter
+
+    def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
+        of the sum over ranks of a @ w). The overlapped paths sum the partials in fp32; the plain
+        path reduces in the dtype, as NCCL does (the same result for two ranks).
+
+        Differentiable (``GemmReduceScatter``): the gradient of a is an all-gather GEMM."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmReduceScatter.apply(a, w, self._gemm_rs, self._ag_gemm)
+        return self._gemm_rs(a, w)
+
+    def _gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k, n = self._checked("gemm_rs", a, w)
+        if self.backend == "reference":
+            return reference.gemm_rs(a, w, self.group)
+        path = self.tuner.path("gemm_rs", m, k, n, lambda p: self._gemm_rs_on(p, a, w))
+        return self._gemm_rs_on(path, a, w)
+
+    def _gemm_rs_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
+        out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
+        if path == "never":
+            collectives.reduce_scatter_tensor(out, a @ w, group=self.group)
+        elif path == "fused":
+            config = tile_config(m // self.world, n, a.element_size())
+            self.launches.reset("tile_flags", self.world * self.launches.rs_tiles(m, n, config))
+            self.launches.gemm_rs(a, w, out, config, 0, self.world)
+        else:
+            self.launches.reset("tile_flags", self.world)
+            self.copies.rs_send(a, w)
+            self.copies.rs_reduce(a, w, out)
+        return out
+
+    # ------------------------------------------------------------------------------------ GEMM all-reduce
+
+    def gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N], the sum over ranks
+        of a @ w, the same on every rank. "fused" (M <= max_rows / W) sums the partials rounded to
+        the dtype in fp32, as the reference backend does; the plain path is cuBLAS, then an NCCL
+        all-reduce, which sums in the dtype.
+
+        Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
+        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+            return GemmAllReduce.apply(a, w, self._gemm_ar)
+        return self._gemm_ar(a, w)
+
+    def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k, n = self._checked("gemm_ar", a, w)
+        if self.backend == "reference":
+            return reference.gemm_ar(a, w, self.group)
+        fits = m * self.world <= self.max_rows
+        path = self.tuner.path("gemm_ar", m, k, n, lambda p: self._gemm_ar_on(p, a, w)) if fits else "never"
+        return self._gemm_ar_on(path, a, w)
+
+    def _gemm_ar_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], w.shape[1]
+        if path != "fused":                  # _gemm_ar takes "never" where M * W exceeds max_rows
+            out = a @ w
+            collectives.all_reduce(out, group=self.group)
+            return out
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        config = tile_config(m, n, a.element_size())
+        self.launches.reset("tile_flags", self.world * self.launches.ar_tiles(m, n, config))
+        self.launches.gemm_ar(a, w, out, config, publish=True, reduce=True)
+        return out

@@ -1,0 +1,112 @@
+"""AsyncTP's copy-engine steps: the chunked paths' transfers, on a stream of their own, each followed
+by a flag raised from the stream's front end, and the GEMMs and waits between them. No SM moves data.
+
+On the CPU (the interpreter tests) the peers' copies are plain tensors: data is copied into them and
+flags are set by the host, in program order.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import runtime
+from .config import TPBuffers, TPConfig
+from .launches import Launches
+
+
+class CopyEngine:
+    """The copy-engine steps of one AsyncTP. `views`: name -> every rank's copy of that TPBuffers field,
+    addressable by this rank (NVLink peer views on a GPU); `stream`: the copy stream (None on the CPU)."""
+
+    def __init__(self, config: TPConfig, buffers: TPBuffers, views: dict[str, list[torch.Tensor]],
+                 launches: Launches, stream: torch.cuda.Stream | None):
+        self.config, self.buffers, self.views, self.launches, self.stream = config, buffers, views, launches, stream
+
+    # ------------------------------------------------------------------------------------ all-gather GEMM
+
+    def push_shard(self, a_shard: torch.Tensor, own_copy: bool) -> None:
+        """Copy a_shard [rows, K] into every peer's `gathered` (peer r+1 first), raising its flag after
+        each copy; into this rank's own too when the gathered A is wanted."""
+        c = self.config
+        rows, k = a_shard.shape
+        mine = slice(c.rank * rows * k, (c.rank + 1) * rows * k)
+        with self._on_stream():
+            for step in range(1, c.world):
+                peer = (c.rank + step) % c.world
+                self._put("gathered", mine, a_shard, peer)
+                self._raise_flag("shard_flags", peer, c.rank)
+            if own_copy:
+                self.buffers.gathered[mine].view(rows, k).copy_(a_shard)
+
+    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One cuBLAS GEMM per shard: the own shard first, then each shard once it has landed -> [W * rows, N]."""
+        c = self.config
+        rows, k = a_shard.shape
+        out = torch.empty((rows * c.world, w.shape[1]), dtype=c.dtype, device=a_shard.device)
+        for step in range(c.world):
+            shard = (c.rank - step) % c.world
+            if step == 0:
+                a = a_shard
+            else:
+                self.launches.wait_flag("shard_flags", shard)
+                a = self.buffers.gathered[shard * rows * k:(shard + 1) * rows * k].view(rows, k)
+            torch.matmul(a, w, out=out[shard * rows:(shard + 1) * rows])
+        return out
+
+    # ------------------------------------------------------------------------------------ GEMM reduce-scatter
+
+    def rs_send(self, a: torch.Tensor, w: torch.Tensor) -> None:
+        """cuBLAS computes the rows bound for each peer (rank r+1's first) and the copy engine puts
+        them into that peer's `partials[rank]`, raising its flag tile_flags[rank]."""
+        c = self.config
+        rows, n = a.shape[0] // c.world, w.shape[1]
+        mine = slice(c.rank * rows * n, (c.rank + 1) * rows * n)
+        for step in range(c.world - 1):
+            dest = (c.rank + 1 + step) % c.world
+            part = a[dest * rows:(dest + 1) * rows] @ w
+            with self._on_stream():
+                self._put("partials", mine, part, dest)
+                self._raise_flag("tile_flags", dest, c.rank)
+            if self.stream is not None:
+                part.record_stream(self.stream)
+
+    def rs_reduce(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """The own rows' partial, then, once every peer's partials have landed, one fp32 pass summing
+        them into out [M/W, N]."""
+        c = self.config
+        rows = a.shape[0] // c.world
+        own = a[c.rank * rows:(c.rank + 1) * rows] @ w
+        for src in range(c.world):
+            if src != c.rank:
+                self.launches.wait_flag("tile_flags", src)
+        self.launches.reduce_partials(own, out)
+        self.join()
+
+    # ------------------------------------------------------------------------------------ the stream
+
+    def join(self) -> None:
+        """The current stream waits for the copies issued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _on_stream(self):
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.stream)
+
+    def _put(self, name: str, where: slice, src: torch.Tensor, peer: int) -> None:
+        """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in stream order."""
+        if self.stream is not None:
+            runtime.put_on_stream(getattr(self.buffers, name)[where], src, peer, torch.cuda.current_stream())
+        else:
+            self.views[name][peer][where].copy_(src.flatten())
+
+    def _raise_flag(self, name: str, peer: int, index: int) -> None:
+        """Set element `index` of `peer`'s int64 buffer `name` to 1, in stream order, after a fence."""
+        if self.stream is not None:
+            address = self.views[name][peer].data_ptr() + 8 * index
+            runtime.stream_write_value(address, 1, torch.cuda.current_stream())
+        else:
+            self.views[name][peer][index] = 1

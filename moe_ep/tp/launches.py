@@ -1,0 +1,153 @@
+"""AsyncTP's kernel launches, each through a ``launcher.BoundKernel``: the fused GEMMs (``ag_gemm``,
+``gemm_rs``, ``gemm_ar``), the per-call flag reset with its barrier, the wait that holds a stream on a
+flag, and the chunked reduce-scatter's sum.
+
+What never changes for an object (its buffers, peer tables, clock and status words, rank, timeout) is
+bound once; a fused GEMM's tile shapes, grid and flags (``tile_config``, the tile count, TMA) are bound
+once per combination, kept in `bound`; the operands, their sizes and strides (and their tensor
+descriptors, with TMA) are what a call passes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import runtime
+from ..kernels.ag_gemm import ag_gemm_kernel
+from ..kernels.gemm_ar import gemm_ar_kernel
+from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
+from ..kernels.matmul import (descriptor, loads_through_descriptors, operand_descriptors, reset_and_barrier_kernel,
+                              tile_config, wait_flag_kernel)
+from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
+from ..launcher import BoundKernel
+from .config import TPBuffers, TPConfig
+
+REDUCE_BLOCK = 4096       # elements per program of the chunked reduce-scatter's sum: 8 warps, 16 a thread
+RESET_BLOCK = 1024        # flags zeroed per step of the reset kernel's loop
+DESCRIPTORS = {ag_gemm_kernel: ("a_desc", "gathered_desc", "w_desc"), gemm_rs_kernel: ("a_desc", "w_desc"),
+               gemm_ar_kernel: ("a_desc", "w_desc")}
+# what a call of each fused kernel passes (with TMA, the descriptors too)
+VARYING = {ag_gemm_kernel: ("a_local", "w", "out", "rows", "N", "K", "stride_wk", "stride_wn"),
+           gemm_rs_kernel: ("a", "w", "out", "rows", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
+                            "stride_wn"),
+           gemm_ar_kernel: ("a", "w", "out", "M", "N", "K", "stride_am", "stride_wk", "stride_wn")}
+
+
+class Launches:
+    """The launches of one AsyncTP, on `programs` programs at most (the same on every rank).
+
+    state: [programs] int64 clock words of the bounded waits; status: the int32 status words;
+    peers: name -> int64 [W] every rank's address of that TPBuffers field."""
+
+    def __init__(self, config: TPConfig, buffers: TPBuffers, peers: dict[str, torch.Tensor], state: torch.Tensor,
+                 status: torch.Tensor, programs: int):
+        self.config, self.buffers, self.programs = config, buffers, programs
+        waits = dict(state=state, status_addr=status.data_ptr(), timeout_ns=config.timeout_ns)
+        self._fixed = {
+            ag_gemm_kernel: dict(gathered=buffers.gathered, flags=buffers.shard_flags, **waits),
+            gemm_rs_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
+                                 flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
+            gemm_ar_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
+                                 flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits)}
+        for fixed in self._fixed.values():
+            fixed.update(rank=config.rank, world=config.world)
+        self._wait = {name: BoundKernel(wait_flag_kernel, 1, ("index", "peer"), flags=getattr(buffers, name), TAG=tag,
+                                        num_warps=1, **waits)
+                      for name, tag in (("shard_flags", TAG_AG_SHARD), ("tile_flags", TAG_RS_TILE))}
+        self._reset: dict[str, BoundKernel] = {}     # bound at first use: device_library() needs NVSHMEM
+        self.bound: dict[tuple, BoundKernel] = {}
+
+    # ------------------------------------------------------------------------------------ fused GEMMs
+
+    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """out [W * rows, N] = the gathered A @ w, A's shards read as their flags rise (``ag_gemm_kernel``)."""
+        c = self.config
+        rows, k = a_shard.shape
+        n = w.shape[1]
+        out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
+        config = tile_config(rows, n, a_shard.element_size())
+        tiles = c.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        tma = loads_through_descriptors(c.tile_loop, a_shard, w)
+        descriptors = self._descriptors(a_shard, w, config, tma)
+        if descriptors:             # the gathered A's between a's and w's
+            gathered = self.buffers.gathered[:c.world * rows * k].view(c.world * rows, k)
+            descriptors = (descriptors[0], descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]]),
+                           descriptors[1])
+        self._kernel(ag_gemm_kernel, tiles, config, k, w, tma)(a_shard, w, out, rows, n, k, w.stride(0),
+                                                                w.stride(1), *descriptors)
+        return out
+
+    def gemm_rs(self, a, w, out, config: dict, step_begin: int, step_end: int) -> None:
+        """The GEMM reduce-scatter kernel over steps [step_begin, step_end) of its schedule (all of them
+        on the GPU) into out [M/W, N]."""
+        (m, k), n, world = a.shape, w.shape[1], self.config.world
+        tiles = world * self.rs_tiles(m, n, config)
+        tma = loads_through_descriptors(self.config.tile_loop, a, w)
+        self._kernel(gemm_rs_kernel, tiles, config, k, w, tma)(a, w, out, m // world, n, k, step_begin, step_end,
+                                                                a.stride(0), w.stride(0), w.stride(1),
+                                                                *self._descriptors(a, w, config, tma))
+
+    def gemm_ar(self, a, w, out, config: dict, publish: bool, reduce: bool) -> None:
+        """The GEMM all-reduce kernel into out [M, N]: each tile's publishing half, reducing half, or both
+        (the GPU)."""
+        (m, k), n = a.shape, w.shape[1]
+        tma = loads_through_descriptors(self.config.tile_loop, a, w)
+        kernel = self._kernel(gemm_ar_kernel, self.ar_tiles(m, n, config), config, k, w, tma, PUBLISH=publish,
+                              REDUCE=reduce)
+        kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *self._descriptors(a, w, config, tma))
+
+    def rs_tiles(self, m: int, n: int, config: dict) -> int:
+        return triton.cdiv(m // self.config.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    def ar_tiles(self, m: int, n: int, config: dict) -> int:
+        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+    def _kernel(self, fn, tiles: int, config: dict, k: int, w: torch.Tensor, tma: bool, **flags) -> BoundKernel:
+        """`fn` bound for this call's grid (tiles, at most `programs`), tile shapes, loads (tma: through
+        descriptors, ``matmul.loads_through_descriptors``) and flags."""
+        programs = min(self.programs, tiles)
+        kmajor = tma and w.stride(1) != 1
+        even_k = k % config["BLOCK_K"] == 0
+        key = (fn, programs, even_k, tma, kmajor, *config.values(), *flags.values())
+        kernel = self.bound.get(key)
+        if kernel is None:
+            descriptors = DESCRIPTORS[fn]
+            kernel = self.bound[key] = BoundKernel(
+                fn, programs, VARYING[fn] + (descriptors if tma else ()), programs=programs, EVEN_K=even_k, TMA=tma,
+                W_KMAJOR=kmajor, **({} if tma else dict.fromkeys(descriptors)), **config, **flags,
+                **self._fixed[fn])
+        return kernel
+
+    @staticmethod
+    def _descriptors(a: torch.Tensor, w: torch.Tensor, config: dict, tma: bool) -> tuple:
+        """With TMA, a's and w's descriptors (``matmul.operand_descriptors``); else none."""
+        if not tma:
+            return ()
+        descriptors = operand_descriptors(a, w, config)
+        return descriptors["a_desc"], descriptors["w_desc"]
+
+    # ------------------------------------------------------------------------------------ flags
+
+    def reset(self, name: str, count: int) -> None:
+        """Zero this rank's first `count` flags of the TPBuffers field `name`, then a barrier over the group."""
+        kernel = self._reset.get(name)
+        if kernel is None:
+            kernel = self._reset[name] = BoundKernel(reset_and_barrier_kernel, 1, ("count",),
+                                                     flags=getattr(self.buffers, name), BLOCK=RESET_BLOCK,
+                                                     num_warps=4, extern_libs=runtime.device_library())
+        kernel(count)
+
+    def wait_flag(self, name: str, peer: int) -> None:
+        """Hold the current stream until this rank's flag `name`[peer] is set (bounded)."""
+        self._wait[name](peer, peer)
+
+    def reduce_partials(self, own: torch.Tensor, out: torch.Tensor) -> None:
+        """out = own + the peers' partials of the chunked reduce-scatter, in fp32 (``reduce_partials_kernel``)."""
+        numel = out.numel()
+        grid = triton.cdiv(numel, REDUCE_BLOCK)
+        kernel = self.bound.get((reduce_partials_kernel, grid))
+        if kernel is None:
+            kernel = self.bound[reduce_partials_kernel, grid] = BoundKernel(
+                reduce_partials_kernel, grid, ("own", "out", "numel"), partials=self.buffers.partials,
+                rank=self.config.rank, world=self.config.world, BLOCK=REDUCE_BLOCK, num_warps=8)
+        kernel(own, out, numel)
