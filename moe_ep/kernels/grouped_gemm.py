@@ -83,8 +83,9 @@ TILE_CANDIDATES = {
 }
 WEIGHT_BLOCK = tl.constexpr(128)   # FP8 weights: one scale per 128 x 128 tile (DeepSeek-V3's); BLOCK_K is 128 then
 DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile covers an expert
-# Shared memory for the pipeline's stages: an H100/H200 block gets 227 KB, and the epilogue's layout
-# conversion takes some of it (seen: fp32 128 x 128 tiles need 256 KB for 4 stages of 64 KB).
+# Shared memory for the pipeline's stages: an H100/H200 block gets 227 KB. With fp32 operands the
+# epilogue's layout conversion takes the fp32 output tile besides (seen on an H200: 128 x 256 tiles
+# asked for 2 x 96 KB of stages + 128 KB), so their stages get STAGE_MEMORY less that tile.
 STAGE_MEMORY = 192 * 1024
 ACTIVATION_ROWS = 16      # rows a program of gated_activation_kernel takes (16 x 128 columns: 4 KB of gate)
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
@@ -225,7 +226,7 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, fp8_weight
     """The TILE_CONFIGS entry for `rows_per_expert` expected rows (and FP8 weights or not); BLOCK_K =
     WEIGHT_BLOCK for FP8 weights (the rows' quantization group then), capped at the group of FP8 rows;
     as many stages as fit STAGE_MEMORY with a's and w's element sizes (fp32 operands fit half as many
-    as bf16)."""
+    as bf16, less their output tile)."""
     shape_class = "fp8_weights" if fp8_weights else "decode" if rows_per_expert <= DECODE_ROWS else "prefill"
     config = dict(TILE_CONFIGS[shape_class])
     if fp8_weights:
@@ -233,7 +234,8 @@ def tile_config(rows_per_expert: float, fp8_group: int | None = None, fp8_weight
     if fp8_group:
         config["BLOCK_K"] = min(config["BLOCK_K"], fp8_group)
     stage = config["BLOCK_K"] * (config["BLOCK_M"] * a_bytes + config["BLOCK_N"] * w_bytes)
-    config["num_stages"] = max(1, min(config["num_stages"], STAGE_MEMORY // stage))
+    budget = STAGE_MEMORY - (config["BLOCK_M"] * config["BLOCK_N"] * 4 if max(a_bytes, w_bytes) == 4 else 0)
+    config["num_stages"] = max(1, min(config["num_stages"], budget // stage))
     return config
 
 
