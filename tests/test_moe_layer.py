@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distributed import gpu_worlds, run
-from moe_ep import AsyncTP, EPAllToAll, EPMoE, swap_moe
+from moe_ep import AsyncTP, EPAllToAll, EPMoE, random_topk, swap_moe
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -153,9 +153,29 @@ def test_bad_options_raise():
     run(_bad_options, 2)
 
 
+def _teardown(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32, max_tokens=4, fp8_dispatch=False)
+    x = torch.randn(3, 64, generator=g)
+    ids, weights = random_topk(3, 8, 2, generator=g)
+    with torch.no_grad():
+        layer.gate_up_proj.normal_(0, 0.1, generator=g)
+        layer.down_proj.normal_(0, 0.1, generator=g)
+        y = layer(x, ids, weights)
+        layer.destroy()
+        layer.destroy()                                     # idempotent
+        assert layer._all_to_all is None
+        torch.testing.assert_close(layer(x, ids, weights), y)   # a new all-to-all, the same result
+    layer.destroy()
+
+
+def test_destroy_frees_the_all_to_all_and_a_later_forward_builds_another():
+    run(_teardown, 2)
+
+
 def _experts_on_kernels(rank, world):
     """run_experts as the GPU runs it (kernels; interpreted on CPU) against its torch form: the
-    activation fused and not, FP8 weights; and what FP8 weights cost against the unquantized layer:
+    activation by name (a kernel) and as a callable (torch), FP8 weights; and what FP8 weights cost against the unquantized layer:
     about 6% relative error here, four e4m3 roundings (rows and weights of both GEMMs) of about 2.5%
     each. Compared per expert by the relative error of its rows: 1e-5 in fp32 on CPU; on GPUs the
     kernels' fp32 dots run in tf32 (unit roundoff 2^-11, about 5e-4, a few roundings through two

@@ -137,6 +137,13 @@ class EPMoE(nn.Module):
                                  *quantize_weights_fp8(self.down_proj.detach(), WEIGHT_BLOCK.value))
         return self._fp8_weights
 
+    def destroy(self) -> None:
+        """Free the layer's all-to-all (collective, as building it at the first forward was; idempotent).
+        A later forward builds a new one."""
+        if self._all_to_all is not None:
+            self._all_to_all.destroy()
+            self._all_to_all = None
+
     def _ep(self) -> EPAllToAll:
         """The layer's all-to-all, built at the first forward on the device the weights are on then (a
         model swapped on the CPU and moved to its GPU afterwards gets it there). A reference one follows
