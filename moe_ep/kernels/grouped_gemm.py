@@ -60,12 +60,12 @@ ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gel
 # decode: a handful of rows per expert, the GEMM reads each weight once and is bound by HBM
 # bandwidth: 64-row tiles waste least, narrow column blocks give enough programs to keep the memory
 # system busy, and 3 stages of 64x128 + 128x64 bf16 (96 KB) let two programs share an SM. prefill:
-# 128 x 256 tiles with 8 warps, 4 stages of 48 KB, one program an SM, on the flattened loop (1.00x
-# and 1.05x torch._grouped_mm at DeepSeek-V3's and Qwen3-30B-A3B's shapes, against 0.97x and 0.96x with
-# 3 stages unflattened). FP8 weights, both classes: 64 x 128 x 128 with 4 warps, 4 stages of 24 KB
-# with FP8 rows, two programs an SM, one scaling its dot while the other's wgmma runs (decode: 4.3
-# TB/s at DeepSeek-V3's shape against 4.1 with 64 x 64 and 6 stages; prefill: 730 TFLOP/s against
-# 640 with 128 x 128 and 8 warps).
+# 128 x 256 tiles with 8 warps, 4 stages of 48 KB, one program an SM, on the flattened loop
+# (Qwen3-30B-A3B's shape, 512 rows: 1.05x torch._grouped_mm in three runs, against 0.99-1.01x
+# unflattened; DeepSeek-V3's, 256 rows: 0.95-1.03x, against 1.00-1.01x unflattened). FP8 weights,
+# both classes: 64 x 128 x 128 with 4 warps, 4 stages of 24 KB with FP8 rows, two programs an SM,
+# one scaling its dot while the other's wgmma runs (decode: 4.3 TB/s at DeepSeek-V3's shape against
+# 4.1 with 64 x 64 and 6 stages; prefill: 730 TFLOP/s against 640 with 128 x 128 and 8 warps).
 TILE_CONFIGS = {
     "decode": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2),
     "prefill": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, programs_per_sm=1),
@@ -91,7 +91,7 @@ ACTIVATION_ROWS = 16      # rows a program of gated_activation_kernel takes (16 
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
 # How operands are loaded (see the module docstring); FLATTEN: the tile loop and the K loop pipelined as
 # one (the next tile's loads start during this tile's last steps). The defaults, by the weights' dtype:
-# flattened for bf16 (at prefill shapes 2-5% faster), not for FP8 weights (15-40% slower flattened).
+# flattened for bf16 (see TILE_CONFIGS), not for FP8 weights (15-40% slower flattened).
 VARIANTS = {"pointer": dict(TMA=False, FLATTEN=False), "tma": dict(TMA=True, FLATTEN=False),
             "tma_flat": dict(TMA=True, FLATTEN=True)}
 DEFAULT_VARIANTS = {"bf16": "tma_flat", "fp8": "tma"}
