@@ -9,7 +9,7 @@ every column below for each; 24 s on one H200 with a warm compile cache (--token
 40 s cold; each with the launch). Timings of ours:
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
             (dispatch: of mode "auto", and of "decode" and "prefill" each, where the crossover shows)
-  eager     one call after a barrier, CUDA events; median
+  eager     one call after a barrier, CUDA events; median (dispatch: of mode "auto", and of each mode)
   host      CPU time from entering a call to its return, with the GPU busy; median
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
             handle, views); host - front is what the launches cost
@@ -249,6 +249,9 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
             "the NCCL baseline routes differently"
         progress.step("eager, host and front")
         out["dispatch_eager_us"] = eager_median(dispatch, iters)
+        for mode in ("decode", "prefill"):              # the crossover of eager calls, for mode "auto"
+            call = lambda mode=mode: ours.dispatch(x, ids, weights, mode=mode)    # noqa: E731
+            out[f"dispatch_{mode}_eager_us"] = eager_median(call, iters)
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_eager_us"] = eager_median(combine, iters)
         out["dispatch_host_us"] = host_median(dispatch)
@@ -277,8 +280,9 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
 
 
 COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_decode_graph_us", "dispatch_prefill_graph_us",
-           "dispatch_eager_us", "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us",
-           "reference_dispatch_us", "dispatch_speedup_vs_nccl",
+           "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us", "dispatch_host_us",
+           "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
+           "dispatch_speedup_vs_nccl",
            "combine_graph_us", "combine_eager_us", "combine_host_us", "combine_front_us", "combine_kernel_us",
            "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB",
            "dispatch_link_GBps", "combine_link_GBps"]

@@ -15,6 +15,7 @@ import torch
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from moe_ep import EPAllToAll, launcher
 from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
+from moe_ep.ep import protocol
 from moe_ep.ep.protocol import MODES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -86,7 +87,8 @@ def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
     """One rank, every mode, with or without a receive hook, alternating on the same slots. Without a hook
     "decode" runs in one launch, with one as the send and the receive kernel; "prefill" runs the send and
     receive kernels bound with the prefill tiles; "auto" is decode up to one_launch_tokens tokens, prefill
-    above. Combine runs in one launch without a hook. Results, stamps and use counts are the same
+    above and while a CUDA graph is being captured (stood in for here). Combine runs in one launch without
+    a hook. Results, stamps and use counts are the same
     whichever kernels ran."""
     tokens, hidden, experts, topk, group = 6, 256, 8, 2, 128
     ep = simulated_world(1, tokens, hidden, experts, topk, group, timing=True)[0]
@@ -103,15 +105,17 @@ def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
         ep.dispatch(*make_inputs(0, [2], hidden, experts, topk, seed=0), mode="bulk")
     assert not launched and ep._dispatches == 0
     decode, prefill = CHUNK_COLUMNS // group, PREFILL_CHUNK_COLUMNS // group   # scale groups a work item
-    calls = [(5, "auto"), (0, "prefill"), (6, "decode"), (1, "auto"), (3, "prefill"), (4, "auto"), (2, "decode"),
-             (6, "auto")]
-    for call, (t, mode) in enumerate(calls):
+    calls = [(5, "auto", False), (0, "prefill", False), (6, "decode", False), (1, "auto", False),
+             (3, "prefill", False), (4, "auto", False), (2, "decode", False), (6, "auto", False), (1, "auto", True),
+             (2, "decode", True)]
+    for call, (t, mode, captured) in enumerate(calls):
+        monkeypatch.setattr(protocol, "capturing", lambda device, captured=captured: captured)
         inputs = [make_inputs(0, [t], hidden, experts, topk, seed=call)]
         launched.clear()
         recv_x, recv_scales, recv_count, handle, *hooks = ep.dispatch(*inputs[0], return_recv_hook=hook, mode=mode)
         for receive in hooks:
             receive()
-        tiles = prefill if mode == "prefill" or (mode == "auto" and t > 3) else decode
+        tiles = prefill if mode == "prefill" or (mode == "auto" and (t > 3 or captured)) else decode
         assert launched == ([("dispatch_kernel", decode)] if tiles == decode and not hook else
                             [("dispatch_send_kernel", tiles), ("dispatch_recv_kernel", tiles)]), (call, launched)
         expected = expected_dispatch(0, 1, inputs, experts, tokens, group)

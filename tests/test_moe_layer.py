@@ -175,13 +175,14 @@ def test_destroy_frees_the_all_to_all_and_a_later_forward_builds_another():
 
 def _experts_on_kernels(rank, world):
     """run_experts as the GPU runs it (kernels; interpreted on CPU) against its torch form: the
-    activation by name (a kernel) and as a callable (torch), FP8 weights; and what FP8 weights cost against the unquantized layer:
-    about 6% relative error here, four e4m3 roundings (rows and weights of both GEMMs) of about 2.5%
-    each. Compared per expert by the relative error of its rows: 1e-5 in fp32 on CPU; on GPUs the
-    kernels' fp32 dots run in tf32 (unit roundoff 2^-11, about 5e-4, a few roundings through two
-    GEMMs), so 5e-3 there, where single elements near zero can differ by more. With FP8 weights the
-    intermediate is rounded to e4m3 between the GEMMs: there a tf32 difference now and then flips an
-    element's rounding by one e4m3 step (about 6%), so 2e-2 on GPUs (0.0068 seen on H200s)."""
+    activation by name (a kernel) and as a callable (torch), FP8 weights; and what FP8 weights cost
+    against the unquantized layer: about 6% relative error here, four e4m3 roundings (rows and weights
+    of both GEMMs) of about 2.5% each. Compared per expert by the relative error of its rows: 1e-5 in
+    fp32 on CPU; on GPUs the kernels' fp32 dots run in tf32 (unit roundoff 2^-11, about 5e-4, a few
+    roundings through two GEMMs), so 5e-3 there, where single elements near zero can differ by more.
+    With FP8 weights the intermediate is rounded to e4m3 between the GEMMs: there a tf32 difference now
+    and then flips an element's rounding by one e4m3 step (about 6%), so 2e-2 on GPUs (0.0068 seen on
+    H200s)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tol = 1e-5 if device == "cpu" else 5e-3
     g = torch.Generator().manual_seed(rank)

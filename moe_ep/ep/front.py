@@ -21,7 +21,7 @@ combines) may be in flight. Without a hook, both phases run in one kernel launch
 protocol allows it: one launch of host time less a call. Dispatch's ``mode`` picks its kernels:
 "decode" (a token row a work item, one launch without a hook), "prefill" (larger work items and
 more programs, a send and a receive kernel), or "auto" (the default): decode up to
-``low_latency.ONE_LAUNCH_TOKENS`` tokens, prefill above.
+``low_latency.ONE_LAUNCH_TOKENS`` tokens in eager calls, prefill above and in CUDA graphs.
 
 No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch

@@ -18,7 +18,7 @@ combine only: the front runs them whole and hands out a hook that does nothing.
 
 `mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
 protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to
-`one_launch_tokens` tokens, prefill above.
+`one_launch_tokens` tokens, prefill above and in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ import triton
 from ..launcher import BoundKernel
 
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work on `device`'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,13 @@ class KernelProtocol(EPProtocol):
         self._receivers[slot]()
 
     def _prefill_tiles(self, tokens: int, mode: str) -> bool:
-        return mode == "prefill" or (mode == "auto" and tokens > self.one_launch_tokens)
+        """Whether a dispatch of `tokens` in `mode` takes the prefill tiles: "auto" does above
+        one_launch_tokens, and at any size while the stream is being captured into a CUDA graph. The
+        decode tiles' one launch saves host time, which a replay does not spend; in replays the prefill
+        tiles were the faster at every size measured (16 to 4096 tokens, one H200: benchmarks/NOTES.md)."""
+        if mode != "auto":
+            return mode == "prefill"
+        return tokens > self.one_launch_tokens or capturing(self.device)
 
     def combine_send(self, slot: int, dispatch_slot: int, expert_out) -> None:
         self.reset_stamps("combine")
