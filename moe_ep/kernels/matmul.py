@@ -218,21 +218,26 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block)
 
 
+def weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The view of w [K, N] a descriptor spans, with contiguous rows: w itself, or w.T [N, K] when w's
+    columns are contiguous (nn.Linear's weight [N, K] seen through .t()); and whether it is w.T (W_KMAJOR)."""
+    kmajor = w.stride(1) != 1
+    return (w.t() if kmajor else w), kmajor
+
+
 def loads_through_descriptors(variant: str, a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a fused kernel whose tile loop is `variant` (of FUSED_VARIANTS) loads a [M, K] and w [K, N]
-    through tensor descriptors: "tma", where TMA can address both (``describable``; w through w.T when
-    its columns are contiguous). Pointers otherwise."""
-    w_rows = w.t() if w.stride(1) != 1 else w
-    return variant != "pointer" and describable(a) and describable(w_rows)
+    through tensor descriptors: "tma", where TMA can address both (``describable``, w as ``weight_rows``).
+    Pointers otherwise."""
+    return variant != "pointer" and describable(a) and describable(weight_rows(w)[0])
 
 
 def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
     """The descriptor arguments of gemm_tile for a [*, K] and w [K, N] with config's tile shapes:
-    a_desc, w_desc, and W_KMAJOR, whether w_desc is over w.T (w's columns contiguous: nn.Linear's
-    weight [N, K] seen through .t()) rather than over w (its rows contiguous)."""
+    a_desc, w_desc over ``weight_rows(w)``, and W_KMAJOR, whether that is w.T."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    kmajor = w.stride(1) != 1
-    w_desc = descriptor(w.t(), [bn, bk]) if kmajor else descriptor(w, [bk, bn])
+    rows, kmajor = weight_rows(w)
+    w_desc = descriptor(rows, [bn, bk] if kmajor else [bk, bn])
     return dict(a_desc=descriptor(a, [bm, bk]), w_desc=w_desc, W_KMAJOR=kmajor)
 
 

@@ -17,7 +17,7 @@ from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
 from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
 from ..kernels.matmul import (descriptor, loads_through_descriptors, operand_descriptors, reset_and_barrier_kernel,
-                              tile_config, wait_flag_kernel)
+                              tile_config, wait_flag_kernel, weight_rows)
 from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
 from ..launcher import BoundKernel
 from .config import TPBuffers, TPConfig
@@ -67,9 +67,8 @@ class Launches:
         out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
         config = tile_config(rows, n, a_shard.element_size())
         tiles = c.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        tma = loads_through_descriptors(c.tile_loop, a_shard, w)
-        descriptors = self._descriptors(a_shard, w, config, tma)
-        if descriptors:             # the gathered A's between a's and w's
+        tma, descriptors = self._loads(a_shard, w, config)
+        if tma:                     # the gathered A's between a's and w's
             gathered = self.buffers.gathered[:c.world * rows * k].view(c.world * rows, k)
             descriptors = (descriptors[0], descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]]),
                            descriptors[1])
@@ -82,19 +81,18 @@ class Launches:
         on the GPU) into out [M/W, N]."""
         (m, k), n, world = a.shape, w.shape[1], self.config.world
         tiles = world * self.rs_tiles(m, n, config)
-        tma = loads_through_descriptors(self.config.tile_loop, a, w)
+        tma, descriptors = self._loads(a, w, config)
         self._kernel(gemm_rs_kernel, tiles, config, k, w, tma)(a, w, out, m // world, n, k, step_begin, step_end,
-                                                                a.stride(0), w.stride(0), w.stride(1),
-                                                                *self._descriptors(a, w, config, tma))
+                                                                a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
     def gemm_ar(self, a, w, out, config: dict, publish: bool, reduce: bool) -> None:
         """The GEMM all-reduce kernel into out [M, N]: each tile's publishing half, reducing half, or both
         (the GPU)."""
         (m, k), n = a.shape, w.shape[1]
-        tma = loads_through_descriptors(self.config.tile_loop, a, w)
+        tma, descriptors = self._loads(a, w, config)
         kernel = self._kernel(gemm_ar_kernel, self.ar_tiles(m, n, config), config, k, w, tma, PUBLISH=publish,
                               REDUCE=reduce)
-        kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *self._descriptors(a, w, config, tma))
+        kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
         return triton.cdiv(m // self.config.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
@@ -106,7 +104,7 @@ class Launches:
         """`fn` bound for this call's grid (tiles, at most `programs`), tile shapes, loads (tma: through
         descriptors, ``matmul.loads_through_descriptors``) and flags."""
         programs = min(self.programs, tiles)
-        kmajor = tma and w.stride(1) != 1
+        kmajor = tma and weight_rows(w)[1]
         even_k = k % config["BLOCK_K"] == 0
         key = (fn, programs, even_k, tma, kmajor, *config.values(), *flags.values())
         kernel = self.bound.get(key)
@@ -118,13 +116,13 @@ class Launches:
                 **self._fixed[fn])
         return kernel
 
-    @staticmethod
-    def _descriptors(a: torch.Tensor, w: torch.Tensor, config: dict, tma: bool) -> tuple:
-        """With TMA, a's and w's descriptors (``matmul.operand_descriptors``); else none."""
-        if not tma:
-            return ()
+    def _loads(self, a: torch.Tensor, w: torch.Tensor, config: dict) -> tuple[bool, tuple]:
+        """How this call's tile loop loads a and w: (TMA, the descriptors it passes), TMA where `tile_loop`
+        asks for it and TMA can address both (``matmul.loads_through_descriptors``), else (False, ())."""
+        if not loads_through_descriptors(self.config.tile_loop, a, w):
+            return False, ()
         descriptors = operand_descriptors(a, w, config)
-        return descriptors["a_desc"], descriptors["w_desc"]
+        return True, (descriptors["a_desc"], descriptors["w_desc"])
 
     # ------------------------------------------------------------------------------------ flags
 
