@@ -17,7 +17,8 @@ thread-scope put would be issued once per thread: only block and warp variants a
 
 ``wait_until_ge`` / ``wait_all_ge`` need no NVSHMEM at all: they spin on acquire loads of
 local flags with a deadline from the global timer and report a timeout instead of hanging.
-``signal_add`` / ``signal_add_all`` and ``last_to_finish`` are the release side of the same
+``wait_live_ge`` waits for the live ones of several flags. ``signal_add`` /
+``signal_add_to`` and ``last_to_finish`` are the release side of the same
 flag protocol: plain atomics through peer pointers.
 """
 import os
@@ -365,6 +366,31 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
 
 
 @triton.jit
+def wait_live_ge(flags, count, target, live, timeout_ns, clock, COUNT_PAD: tl.constexpr):
+    """``wait_all_ge`` over the flags i < count whose int32 word live[i] is not 0, re-read on every poll
+    (a peer may clear it meanwhile). Returns (reached, late), bool [COUNT_PAD]: the flags at `target`,
+    and the live ones still short of it when `timeout_ns` ran out (none if the wait succeeded). Writes
+    no status: what a late flag means is the caller's to decide."""
+    i = tl.arange(0, COUNT_PAD)
+    valid = i < count
+    polled = flags + tl.where(valid, i, 0)
+    values = load_acquire(polled)
+    alive = tl.load(live + i, mask=valid, other=0, volatile=True) != 0
+    short = tl.sum((alive & (values < target)).to(tl.int32), 0)
+    if short > 0:
+        tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+        now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+        deadline = now + timeout_ns
+        while (short > 0) & (now < deadline):
+            values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
+            alive = tl.load(live + i, mask=valid, other=0, volatile=True) != 0
+            short = tl.sum((alive & (values < target)).to(tl.int32), 0)
+            now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+    tl.debug_barrier()
+    return valid & (values >= target), alive & (values < target)
+
+
+@triton.jit
 def signal_add(flag, value):
     """Release-add `value` to an int64 flag (local or through a peer pointer) once per program.
 
@@ -375,13 +401,13 @@ def signal_add(flag, value):
 
 
 @triton.jit
-def signal_add_all(bases, offset, count, value, COUNT_PAD: tl.constexpr):
-    """Release-add `value` to int64 word `offset` of `count` buffers at once, one thread each:
-    bases[r] is the address of buffer r (rank r's copy of a symmetric int64 array)."""
+def signal_add_to(bases, offset, to, value, COUNT_PAD: tl.constexpr):
+    """Release-add `value` to int64 word `offset` of the buffers picked by `to` (bool [COUNT_PAD]) at once,
+    one thread each: bases[r] is the address of buffer r (rank r's copy of a symmetric int64 array)."""
     r = tl.arange(0, COUNT_PAD)
-    flags = tl.load(bases + r, mask=r < count, other=0).to(tl.pointer_type(tl.int64)) + offset
+    flags = tl.load(bases + r, mask=to, other=0).to(tl.pointer_type(tl.int64)) + offset
     tl.debug_barrier()
-    tl.atomic_add(flags, value, mask=r < count, sem="release", scope="sys")
+    tl.atomic_add(flags, value, mask=to, sem="release", scope="sys")
 
 
 @triton.jit

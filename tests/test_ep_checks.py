@@ -101,7 +101,7 @@ from moe_ep import EPAllToAll
 from moe_ep.launcher import BoundKernel
 
 TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
-         torch.float32: "*fp32"}
+         torch.float32: "*fp32", torch.int8: "*i8"}
 
 def compile_once(self, *values):
     arguments = {**self.fixed, **dict(zip(self.varying, values))}
@@ -118,23 +118,24 @@ def compile_once(self, *values):
     print(self.fn.__name__)
 
 BoundKernel.__call__ = compile_once
-p = EPAllToAll.simulated(2, 64, 7168, 256, 8)[0].protocol
 x, y = torch.zeros(64, 7168, dtype=torch.bfloat16), torch.zeros(64, 7168, dtype=torch.bfloat16)
 ids, weights = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(64, 8)
 expert_out = torch.zeros(128, 128, 7168, dtype=torch.bfloat16)
-for mode in ("decode", "prefill"):
-    p.dispatch_send(0, x, ids, weights, 1, mode); p.dispatch_recv(0)
-p.combine_send(0, 0, expert_out); p.combine_recv(0, y, ids, 64)
-p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
+for elastic in (False, True):
+    p = EPAllToAll.simulated(2, 64, 7168, 256, 8, elastic=elastic)[0].protocol
+    for mode in ("decode", "prefill"):
+        p.dispatch_send(0, x, ids, weights, 1, mode); p.dispatch_recv(0)
+    p.combine_send(0, 0, expert_out); p.combine_recv(0, 0, y, ids, 64)
+    p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
 """
 
 
 def test_every_kernel_compiles_for_sm90():
-    """Every EP kernel, as bound, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no GPU needed),
-    outside the interpreter, so that CPU-only CI sees what the GPU would compile."""
+    """Every EP kernel, as bound, plain and elastic, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no
+    GPU needed), outside the interpreter, so that CPU-only CI sees what the GPU would compile."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
-        "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]
+    assert done.stdout.split() == (["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
+        "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]) * 2

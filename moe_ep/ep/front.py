@@ -27,6 +27,19 @@ No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph:
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
 kernel itself (``validate=True``): an id outside [-1, E) is dropped like -1, and the next call
 (or ``check()``) raises a ValueError naming the call that saw it.
+
+Elastic mode (``elastic=True``): a rank that dies no longer stops the others. Each rank keeps a
+live mask on the device, which every kernel reads. A wait that runs past ``timeout_s`` on a peer
+marks that peer dead in every rank's mask (its own too) and the call completes among the others;
+``mask_ranks`` masks ranks on purpose, ``live_ranks`` says who is left. Neither needs a sync with
+the host nor a new CUDA graph. What a masked rank's experts held is gone: a token routed to them
+comes back without their contributions, not renormalized, and ``handle.lost`` [T, K] says which
+of its experts were lost (an engine may renormalize by the weights left, or route again). A rank
+that finds itself masked (it answered too late) raises CommTimeoutError. The rows a rank sends
+land in row blocks of their own on each receiver, which nobody reads once it is masked, so a late
+write from a dying rank reaches nothing a survivor uses. Freeing symmetric memory is collective over
+every rank NVSHMEM started with: after a loss, ``destroy`` refuses, and the survivors' buffers go
+with their processes.
 """
 from __future__ import annotations
 
@@ -46,6 +59,7 @@ from .reference import ReferenceProtocol
 PROTOCOLS = {"nvshmem": LowLatency, "reference": ReferenceProtocol}   # backend -> protocol
 BACKENDS = tuple(PROTOCOLS)
 MAX_TOPK = 16
+MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word
 IDS_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,6 +73,8 @@ class EPHandle:
     topk_ids: torch.Tensor                 # the source's own [T, K] ids (combine reads them)
     recv_src: torch.Tensor                 # [E_loc, W * T_max] int32: (src * T_max + t) * K + k
     received: bool = False
+    lost: torch.Tensor | None = None       # elastic: [T, K] bool, True where expert k of token t was on a rank
+                                           # the combine went on without (valid after the combine's receive)
 
 
 def _from_config(name: str) -> property:
@@ -83,6 +99,8 @@ class EPAllToAll(runtime.CommObject):
         timing: record per-phase device timestamps of every call, for ``breakdown()``.
         num_sms: at most this many SMs' worth of programs per kernel (None: every SM), so that the
             kernels can run beside a GEMM.
+        elastic: go on without a rank that stops answering (nvshmem backend, at most 32 ranks; see the
+            module's docstring).
         device: where x, topk_ids, expert_out and the outputs live. The reference backend takes any
             device; nvshmem runs on this process's GPU only. Default: this process's GPU when the group
             is NCCL (or ranks share a GPU), else the CPU.
@@ -94,16 +112,16 @@ class EPAllToAll(runtime.CommObject):
     max_tokens, hidden, topk = _from_config("max_tokens"), _from_config("hidden"), _from_config("topk")
     num_experts, experts_per_rank = _from_config("num_experts"), _from_config("experts_per_rank")
     dtype, fp8_group, timeout_s = _from_config("dtype"), _from_config("fp8_group"), _from_config("timeout_s")
-    validate, timing = _from_config("validate"), _from_config("timing")
+    validate, timing, elastic = _from_config("validate"), _from_config("timing"), _from_config("elastic")
 
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False,
-                 num_sms: int | None = None, device: torch.device | str | None = None):
+                 num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
-                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms)
+                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms, elastic)
         sms = self._open(group, backend, device)
         if sms is None:                                   # the reference backend: no NVSHMEM
             self._build(EPResources(group, self.device))
@@ -117,7 +135,7 @@ class EPAllToAll(runtime.CommObject):
     def simulated(cls, world: int, max_tokens: int, hidden: int, num_experts: int, topk: int,
                   dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                   timeout_s: float = 5.0, validate: bool = True, timing: bool = False,
-                  num_sms: int = 1) -> list[EPAllToAll]:
+                  num_sms: int = 1, elastic: bool = False) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
         the symmetric buffers are plain tensors and the peer tables hold their addresses. Under the
         Triton interpreter the kernels run for real (one program at a time: issue every rank's sends,
@@ -126,7 +144,7 @@ class EPAllToAll(runtime.CommObject):
         for rank in range(world):
             ep = cls.__new__(cls)
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                          "nvshmem", timeout_s, validate, timing, num_sms)
+                          "nvshmem", timeout_s, validate, timing, num_sms, elastic)
             ep.group, ep.device = None, torch.device("cpu")
             ep._build(EPResources(None, ep.device, lambda shape, dtype: torch.zeros(shape, dtype=dtype), num_sms))
             ranks.append(ep)
@@ -137,11 +155,11 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                   backend, timeout_s, validate, timing=False, num_sms=None) -> None:
+                   backend, timeout_s, validate, timing=False, num_sms=None, elastic=False) -> None:
         check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                     backend, timeout_s, num_sms)
+                     backend, timeout_s, num_sms, elastic)
         self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype,
-                               fp8_group if fp8_dispatch else None, timeout_s, validate, timing)
+                               fp8_group if fp8_dispatch else None, timeout_s, validate, timing, elastic)
         self.backend = backend
         self._dispatches = self._combines = 0            # calls so far: call n uses slot n % slots
         self._in_flight = {"dispatch": 0, "combine": 0}  # receive hooks not yet called
@@ -239,13 +257,13 @@ class EPAllToAll(runtime.CommObject):
         if return_recv_hook and not protocol.receives_at_send:
             protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
             recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-            handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src)
+            handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, lost=protocol.lost(slot, x.shape[0]))
             self._in_flight["dispatch"] += 1
             return recv_x, recv_scales, recv_count, handle, _ReceiveHook(
                 "dispatch", functools.partial(self._dispatch_received, slot, handle))
         protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode)
         recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True)
+        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True, protocol.lost(slot, x.shape[0]))
         return (recv_x, recv_scales, recv_count, handle, _no_hook) if return_recv_hook else \
             (recv_x, recv_scales, recv_count, handle)
 
@@ -287,7 +305,39 @@ class EPAllToAll(runtime.CommObject):
     def _combine_received(self, slot: int, handle: EPHandle, y: torch.Tensor) -> None:
         """A combine's receive hook: launch the receive into y."""
         self._in_flight["combine"] -= 1
-        self.protocol.combine_recv(slot, y, handle.topk_ids, handle.num_tokens)
+        self.protocol.combine_recv(slot, handle.slot, y, handle.topk_ids, handle.num_tokens)
+
+    # ------------------------------------------------------------------------------------ elastic
+
+    def mask_ranks(self, ranks) -> None:
+        """Count `ranks` dead from the next call on (``elastic=True``). Collective over the survivors: each
+        calls it between the same two calls (no communication: the masks agree by program order). A
+        masked rank must make no further call."""
+        if not self.elastic:
+            raise ValueError("mask_ranks needs EPAllToAll(..., elastic=True)")
+        ranks = sorted(set(ranks))
+        if not all(isinstance(r, int) and 0 <= r < self.world for r in ranks):
+            raise ValueError(f"ranks must be ints in [0, {self.world}), got {ranks}")
+        if self.rank in ranks:
+            raise ValueError(f"rank {self.rank} cannot mask itself")
+        if any(self._in_flight.values()):
+            raise ValueError("a dispatch or combine is in flight: call its receive hook before masking ranks")
+        self._raise_if_failed()
+        self.protocol.mask_ranks(ranks)
+
+    def live_ranks(self) -> list[int]:
+        """The ranks this one counts live: all of them unless elastic mode lost or masked some. Reads the
+        device's mask after the work queued so far (a sync)."""
+        return self.protocol.live_ranks()
+
+    def destroy(self) -> None:
+        """Free the buffers (collective over every rank). After an elastic loss a peer can no longer take
+        part: RuntimeError instead of a hang."""
+        if self.elastic and self._symmetric and len(self.live_ranks()) < self.world:
+            lost = sorted(set(range(self.world)) - set(self.live_ranks()))
+            raise RuntimeError(f"ranks {lost} are lost: freeing symmetric memory is collective over every rank, so "
+                               "the survivors' buffers are released when their processes end")
+        super().destroy()
 
     # ------------------------------------------------------------------------------------ timing
 
@@ -322,10 +372,14 @@ def _no_hook() -> None:
 
 
 def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                 timeout_s=10.0, num_sms=None) -> None:
+                 timeout_s=10.0, num_sms=None, elastic=False) -> None:
     """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if elastic and backend != "nvshmem":
+        raise ValueError(f"elastic=True needs backend='nvshmem' (the {backend} backend cannot go on without a rank)")
+    if elastic and world > MAX_ELASTIC_WORLD:
+        raise ValueError(f"elastic=True supports at most {MAX_ELASTIC_WORLD} ranks, got {world}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
         raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("num_experts", num_experts)):

@@ -12,7 +12,8 @@ import torch
 import triton
 
 from ..kernels import all_to_all as kernels
-from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX
+from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED
+from ..runtime import CommTimeoutError
 from ..shmem import INTERPRETING
 from .protocol import EPConfig, EPResources, KernelProtocol
 
@@ -148,14 +149,20 @@ class LowLatency(KernelProtocol):
                                               arrived=symmetric_zeros((S, W), torch.int64),
                                               freed=symmetric_zeros((S, W), torch.int64),
                                               out=self.local((S, T, H), config.dtype))
+        self.live = symmetric_zeros((W,), torch.int32).fill_(1)
+        self.lost_experts = self.local((S, T, config.topk), torch.int8)
         self.publish(kernels.DISPATCH_PEERS, kernels.COMBINE_PEERS)
 
     def reported(self) -> bool:
-        """A timeout, or an out-of-range expert id: two reads of pinned memory."""
-        return bool(self._words[0] or self._words[STATUS_BAD_CALL.value])
+        """A timeout, an out-of-range expert id, or this rank masked by its peers: reads of pinned memory."""
+        return bool(self._words[0] or self._words[STATUS_BAD_CALL.value] or self._words[STATUS_EVICTED.value])
 
     def raise_reported(self) -> None:
-        """ValueError naming the first out-of-range expert id a dispatch saw (the id was dropped)."""
+        """CommTimeoutError if this (elastic) rank found itself masked by its peers; ValueError naming the
+        first out-of-range expert id a dispatch saw (the id was dropped)."""
+        if self._words[STATUS_EVICTED.value]:
+            raise CommTimeoutError(f"rank {self.config.rank} was masked by its peers: it answered one of their waits "
+                                   f"later than timeout_s={self.config.timeout_s}s, and they went on without it")
         if self._words[STATUS_BAD_CALL.value]:
             call, bad, index = (int(self._words[w.value]) for w in (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX))
             self._words[STATUS_BAD_CALL.value] = 0
@@ -167,6 +174,7 @@ class LowLatency(KernelProtocol):
         """Peer tables and bound kernels: per slot (and, for combine_send, per slot of the dispatch it
         follows). peer_addresses(name, buffer) -> every rank's address of a symmetric buffer."""
         c, d, cb = self.config, self.dispatch_buffers, self.combine_buffers
+        self.live_peers = self.live_table(peer_addresses)
         dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
         combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)
         group = c.fp8_group or 128
@@ -209,10 +217,11 @@ class LowLatency(KernelProtocol):
                           for s in range(SLOTS)]
         self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
                                                  **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}
-        self._combine_recv = [self.bind("combine_recv", kernels.combine_recv_kernel, s,
-                                        ("out_ptr", "ids_ptr", "num_tokens"), **combine_recv, **early)
-                              for s in range(SLOTS)]
+        self._combine_recv = {(s, ds): self.bind("combine_recv", kernels.combine_recv_kernel, s,
+                                                 ("out_ptr", "ids_ptr", "num_tokens"), lost_ptr=self.lost_experts[ds],
+                                                 **combine_recv, **early)
+                              for s in range(SLOTS) for ds in range(SLOTS)}
         self._combine = {(s, ds): self.bind("combine", kernels.combine_kernel, s,
                                             ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
-                                            **{**combine_send[ds], **combine_recv})
+                                            lost_ptr=self.lost_experts[ds], **{**combine_send[ds], **combine_recv})
                          for s in range(SLOTS) for ds in range(SLOTS)}

@@ -9,9 +9,11 @@ What it offers, each launch on the current stream:
     dispatch_send(slot, x, topk_ids, topk_weights, call, mode)   # this rank's tokens to their ranks
     dispatch_recv(slot)                                          # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)                # weighted sums back to their sources
-    combine_recv(slot, out, topk_ids, num_tokens)                # adds them up into out [T, H]
+    combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)   # adds them up into out [T, H]
     dispatch(...), combine(...) -> y                             # both phases (one launch where it may)
     combined(slot, num_tokens)                                   # combine's y [T, H] when no `out` is given
+    lost(dispatch_slot, num_tokens)                              # [T, K] bool: experts an elastic combine lost
+    mask_ranks(ranks), live_ranks()                              # elastic: the ranks counted live
 
 A protocol whose sends deliver at once (``receives_at_send``: the reference) offers dispatch and
 combine only: the front runs them whole and hands out a hook that does nothing.
@@ -52,6 +54,7 @@ class EPConfig:
     timeout_s: float           # bound of every device-side wait
     validate: bool             # range-check topk_ids
     timing: bool               # per-phase device timestamps
+    elastic: bool = False      # go on without a rank that stops answering (EPAllToAll)
 
     @property
     def experts_per_rank(self) -> int:
@@ -110,6 +113,14 @@ class EPProtocol:
     def raise_reported(self) -> None:
         """Raise what the protocol's own status words report (a timeout is the front's to raise)."""
 
+    def live_ranks(self) -> list[int]:
+        """The ranks this one counts live: every rank, unless the protocol masks ranks (elastic)."""
+        return list(range(self.config.world))
+
+    def lost(self, slot: int, num_tokens: int) -> torch.Tensor | None:
+        """What the combine of the dispatch in `slot` lost: None where no rank can be lost."""
+        return None
+
     def breakdown(self) -> dict[str, float]:
         raise ValueError(f"the {self.name} protocol records no timing")
 
@@ -119,11 +130,13 @@ class KernelProtocol(EPProtocol):
     bound launches. A subclass declares `kernel_names` (its four phase kernels: dispatch_send,
     dispatch_recv, combine_send, combine_recv) and `stamp_names` (the columns of a kernel's timing row).
 
-    Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot)
-    in ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy()
-    frees, and `outputs`, dispatch's results per slot), and bind in ``connect`` the launches of each phase:
+    Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot),
+    `live` (symmetric int32 [world]: 1 for each rank this one counts live, 0 once masked) and `lost_experts` (int8
+    [slots, T_max, K]: per dispatch slot, the experts its combine lost) in ``__init__``, between ``_start``
+    and ``publish`` (which makes `symmetric`, the buffers destroy() frees, and `outputs`, dispatch's
+    results per slot), set `live_peers` (every rank's address of `live`, ``live_table``) and bind in ``connect`` the launches of each phase:
     `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and dispatch slot),
-    `_combine_recv` (per slot), of both phases at once: `_dispatch` (per slot), `_combine` (per slot
+    `_combine_recv` (per slot and dispatch slot), of both phases at once: `_dispatch` (per slot), `_combine` (per slot
     and dispatch slot), and `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
     """
 
@@ -134,18 +147,21 @@ class KernelProtocol(EPProtocol):
         """Program state, all int64: per kernel of `grid` (name -> programs: the names of kernel_names,
         "dispatch" and "combine" for the one-launch kernels, a name of kernel_names + "_prefill" for a
         phase's kernel bound with other tiles), every program's clock word for the bounded waits [grid]; per
-        phase (a row per name of kernel_names), the programs finished per slot and the uses of each slot
-        [4, slots] and timing stamps [4, 4] (stamp_names; reset to "none yet" before a timed call). A
-        one-launch kernel keeps both its phases' rows. `sms`: the SMs a grid may fill; `status`: the
+        phase (a row per name of kernel_names), the programs finished per slot, the uses of each slot and
+        the ranks an elastic receive read (``all_to_all._agree``) [4, slots], and timing stamps [4, 4]
+        (stamp_names; reset to "none yet" before a timed call). A one-launch kernel keeps both its phases'
+        rows. `sms`: the SMs a grid may fill; `status`: the
         kernels' status words."""
         self.status, self.grid, self.sms = status, grid, sms
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
         self.finished = self.local((len(self.kernel_names), self.slots), torch.int64)
         self.uses = self.local((len(self.kernel_names), self.slots), torch.int64)
+        self.agreed = self.local((len(self.kernel_names), self.slots), torch.int64)
         self.stamps = self.local((len(self.kernel_names), len(self.stamp_names)), torch.int64)
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
         self._combined_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._lost_views: dict[tuple[int, int], torch.Tensor] = {}
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
 
     def local(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -168,7 +184,7 @@ class KernelProtocol(EPProtocol):
         return dict(rank=c.rank, world=c.world, max_tokens=c.max_tokens, hidden=c.hidden, topk=c.topk,
                     experts_per_rank=c.experts_per_rank, timeout_ns=int(c.timeout_s * 1e9),
                     status_addr=self.status.data_ptr(), K_PAD=triton.next_power_of_2(c.topk),
-                    WORLD_PAD=triton.next_power_of_2(c.world), TIMING=c.timing)
+                    WORLD_PAD=triton.next_power_of_2(c.world), ELASTIC=c.elastic, TIMING=c.timing)
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:
         """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps:
@@ -180,7 +196,8 @@ class KernelProtocol(EPProtocol):
         row = self.kernel_names.index(f"{phase}_send" if one_launch else phase)
         return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if one_launch else None, slot=slot,
                            clock_ptr=self.clocks[name], finished_ptr=self.finished[row], uses_ptr=self.uses[row],
-                           stamps_ptr=self.stamps[row], **self.common_arguments(), **arguments)
+                           stamps_ptr=self.stamps[row], agreed_ptr=self.agreed[row], live_peers=self.live_peers,
+                           **self.common_arguments(), **arguments)
 
     def publish(self, dispatch_peers, combine_peers) -> None:
         """`symmetric` (what destroy() frees) from the peer-table names, and dispatch's outputs per slot
@@ -188,8 +205,31 @@ class KernelProtocol(EPProtocol):
         d, c = self.dispatch_buffers, self.combine_buffers
         self.symmetric = {f"{self.name}.dispatch.{n}": getattr(d, n) for n in dispatch_peers}
         self.symmetric.update({f"{self.name}.combine.{n}": getattr(c, n) for n in combine_peers})
+        self.symmetric[f"{self.name}.live"] = self.live
         self.outputs = [(d.recv_x[s], d.recv_scales[s] if self.config.fp8_group else None, d.recv_count[s],
                          d.recv_src[s]) for s in range(self.slots)]
+
+    def live_table(self, peer_addresses) -> torch.Tensor:
+        """int64 [world]: every rank's address of the live mask (its peers clear a rank's word in all of them)."""
+        return torch.tensor(peer_addresses(f"{self.name}.live", self.live), dtype=torch.int64, device=self.device)
+
+    def mask_ranks(self, ranks: list[int]) -> None:
+        """Count `ranks` dead from the next launch on (stream-ordered: no sync)."""
+        self.live[ranks] = 0
+
+    def live_ranks(self) -> list[int]:
+        """The ranks this one counts live (reads the device: a sync)."""
+        return [r for r, alive in enumerate(self.live.tolist()) if alive]
+
+    def lost(self, slot: int, num_tokens: int) -> torch.Tensor | None:
+        """The lost-expert report [T, K] bool of the dispatch in `slot` (written by its combine), a view made
+        once per (slot, num_tokens); None unless elastic."""
+        if not self.config.elastic:
+            return None
+        view = self._lost_views.get((slot, num_tokens))
+        if view is None:
+            view = self._lost_views[slot, num_tokens] = self.lost_experts[slot, :num_tokens].view(torch.bool)
+        return view
 
     def combined(self, slot: int, num_tokens: int) -> torch.Tensor:
         """Combine's output for a call of `num_tokens` tokens in `slot`: a view of the slot's [T_max, H]
@@ -220,7 +260,7 @@ class KernelProtocol(EPProtocol):
             out = self.combined(slot, num_tokens)
         if not self.one_launch:
             self.combine_send(slot, dispatch_slot, expert_out)
-            self.combine_recv(slot, out, topk_ids, num_tokens)
+            self.combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)
             return out
         self.reset_stamps("combine")
         self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
@@ -250,8 +290,8 @@ class KernelProtocol(EPProtocol):
         self.reset_stamps("combine")
         self._combine_send[slot, dispatch_slot](expert_out)
 
-    def combine_recv(self, slot: int, out, topk_ids, num_tokens: int) -> None:
-        self._combine_recv[slot](out, topk_ids, num_tokens)
+    def combine_recv(self, slot: int, dispatch_slot: int, out, topk_ids, num_tokens: int) -> None:
+        self._combine_recv[slot, dispatch_slot](out, topk_ids, num_tokens)
 
     # --------------------------------------------------------------------- timing
 

@@ -65,10 +65,10 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import INTERPRETING, last_to_finish, now_ns, signal_add_all, wait_all_ge
+from ..shmem import INTERPRETING, last_to_finish, now_ns, signal_add_to, wait_all_ge, wait_live_ge
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
-from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, TAG_COMBINE_ARRIVAL, TAG_COMBINE_CREDIT,
-                     TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
+from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
+                     TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
 
 NUM_SLOTS = 2                # double buffering: call n uses slot n % 2
 
@@ -146,40 +146,116 @@ def _stamp(stamps, which: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
-def _begin(stamps, uses, slot, clocks, status_addr, flags, world, behind, timeout_ns, tag,
-           EARLY: tl.constexpr, WORLD_PAD: tl.constexpr, TIMING: tl.constexpr):
+def _bit(bits, r):
+    """Whether rank r (a scalar or a block of ranks) is in the int64 rank set `bits` (rank r: bit r)."""
+    return ((bits >> r) & 1) != 0
+
+
+@triton.jit
+def _live(live_peers, rank, world, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr):
+    """The ranks this one counts live (its copy of the live mask), as bits; every rank without ELASTIC."""
+    if ELASTIC:
+        r = tl.arange(0, WORLD_PAD)
+        live = tl.load(_peer(live_peers, 0, rank, world, tl.int32) + r, mask=r < world, other=0, volatile=True)
+        bits = tl.sum(tl.where(live != 0, 1 << r.to(tl.int64), 0), 0)
+    else:
+        bits = tl.full([], -1, tl.int64)
+    return bits
+
+
+@triton.jit
+def _wait(flags, world, target, live_peers, rank, timeout_ns, status, tag, clock, WORLD_PAD: tl.constexpr,
+          ELASTIC: tl.constexpr):
+    """Wait until flags[r] >= target for every rank r. Returns (ok, reached): False if the wait failed,
+    and the ranks whose flag reached the target, as bits.
+
+    Without ELASTIC a timeout fails the wait (``wait_all_ge`` reports it). With ELASTIC the wait is over
+    the ranks still live; a rank that times out is marked dead, in the live mask of every rank, itself
+    included (``_mark_dead``), and the wait succeeds without it. It fails only when this rank finds
+    itself marked dead: it answered too late, and its peers went on without it."""
+    if ELASTIC:
+        live = _peer(live_peers, 0, rank, world, tl.int32)
+        arrived, late = wait_live_ge(flags, world, target, live, timeout_ns, clock, WORLD_PAD)
+        _mark_dead(live_peers, late, world, WORLD_PAD)
+        ok = tl.load(live + rank, volatile=True) != 0
+        if not ok:
+            tl.store(status + STATUS_EVICTED, 1)
+        r = tl.arange(0, WORLD_PAD)
+        reached = tl.sum(tl.where(arrived, 1 << r.to(tl.int64), 0), 0)
+    else:
+        ok = wait_all_ge(flags, world, target, timeout_ns, status, tag, clock, WORLD_PAD)
+        reached = tl.full([], -1, tl.int64)
+    return ok, reached
+
+
+@triton.jit
+def _mark_dead(live_peers, late, world, WORLD_PAD: tl.constexpr):
+    """Clear the live word of each `late` rank (bool [WORLD_PAD]) on every rank."""
+    r = tl.arange(0, WORLD_PAD)
+    words = tl.load(live_peers + r, mask=r < world, other=0).to(tl.pointer_type(tl.int32))
+    tl.store(words[:, None] + r[None, :], 0, mask=(r < world)[:, None] & late[None, :])
+
+
+@triton.jit
+def _agree(word, use, reached, ELASTIC: tl.constexpr):
+    """The ranks whose rows a receive launch reads: with ELASTIC, the `reached` of its first program to
+    get here, kept in its slot's word as (use << 32) | bits, so that every program reads the same ranks
+    even where a late rank's signal lands between their waits."""
+    if ELASTIC:
+        mine = (use.to(tl.int64) << 32) | reached
+        seen = tl.atomic_add(word, 0, sem="acquire", scope="gpu")
+        if (seen >> 32) != use:
+            old = tl.atomic_cas(word, seen, mine, sem="acq_rel", scope="gpu")
+            seen = tl.where(old == seen, mine, old)
+        reached = seen & 0xFFFFFFFF
+    return reached
+
+
+@triton.jit
+def _begin(stamps, uses, slot, clocks, status_addr, flags, live_peers, rank, world, behind, timeout_ns, tag,
+           EARLY: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr):
     """A launch's start, stamped: with EARLY it lets the receive kernel start (``_start_receiver``);
     then this launch's use of `slot` and the wait until flags[slot * world + r] >= use - behind for
-    every rank r. Returns the status pointer (pinned host memory: the host reads it without a sync),
-    the use, and False if the wait timed out."""
+    every rank r (``_wait``). Returns the status pointer (pinned host memory: the host reads it without a
+    sync), the use, and the wait's (ok, reached)."""
     _stamp(stamps, STAMP_STARTED, TIMING)
     if EARLY:
         _start_receiver()
     status = status_addr.to(tl.pointer_type(tl.int32))
     use = _use(uses, slot)
-    ok = wait_all_ge(flags + slot * world, world, use - behind, timeout_ns, status, tag, _clock(clocks), WORLD_PAD)
+    ok, reached = _wait(flags + slot * world, world, use - behind, live_peers, rank, timeout_ns, status, tag,
+                        _clock(clocks), WORLD_PAD, ELASTIC)
     _stamp(stamps, STAMP_WAITED, TIMING)
-    return status, use, ok
+    return status, use, ok, reached
 
 
 @triton.jit
-def _await_peers(ok, stamps, flags, slot, world, use, timeout_ns, status, tag, clocks, WORLD_PAD: tl.constexpr,
-                 TIMING: tl.constexpr):
+def _await_peers(ok, stamps, flags, slot, live_peers, rank, world, use, timeout_ns, status, tag, clocks,
+                 WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr):
     """A one-launch kernel's receive phase starts, stamped in its row `stamps`: unless an earlier wait
-    failed (`ok` False), wait until flags[slot * world + r] >= use for every rank r."""
+    failed (`ok` False), wait until flags[slot * world + r] >= use for every rank r. Returns (ok, reached)."""
     _stamp(stamps, STAMP_STARTED, TIMING)
+    reached = tl.full([], 0, tl.int64)
     if ok:
-        ok = wait_all_ge(flags + slot * world, world, use, timeout_ns, status, tag, _clock(clocks), WORLD_PAD)
+        ok, reached = _wait(flags + slot * world, world, use, live_peers, rank, timeout_ns, status, tag,
+                            _clock(clocks), WORLD_PAD, ELASTIC)
     _stamp(stamps, STAMP_WAITED, TIMING)
-    return ok
+    return ok, reached
 
 
 @triton.jit
-def _finish(finished, uses, use, peers, row, offset, world, stamps, TIMING: tl.constexpr, WORLD_PAD: tl.constexpr):
-    """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank."""
+def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, stamps, WORLD_PAD: tl.constexpr,
+            ELASTIC: tl.constexpr, TIMING: tl.constexpr):
+    """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank
+    (with ELASTIC: on every live rank, and on none where this rank's wait failed)."""
     _stamp(stamps, STAMP_WORKED, TIMING)
     if _retire(finished, uses, use):
-        signal_add_all(peers + row * world, offset, world, 1, WORLD_PAD)
+        r = tl.arange(0, WORLD_PAD)
+        ranks = world
+        if ELASTIC:
+            ranks = tl.where(ok, world, 0)
+        to = (r < ranks) & _bit(_live(live_peers, rank, world, WORLD_PAD, ELASTIC), r)
+        signal_add_to(peers + row * world, offset, to, 1, WORLD_PAD)
         _stamp(stamps, STAMP_SIGNALED, TIMING)
 
 
@@ -200,15 +276,16 @@ def _pick(values, index, k):
 
 @triton.jit
 def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
-                     experts_per_rank, num_experts,
+                     experts_per_rank, num_experts, live,
                      EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
     """For experts [block * EXPERTS_BLOCK, ...) at once: the positions of this rank's (token, k) hits
     for each expert among its rows, in (t, k) order, and their count, written to the owner's
     positions [T_max, K] and counts [E_loc] of row block `stage`. Block 0 also sends the token count,
-    and with VALIDATE reports the first id outside [-1, E) in the status words."""
+    and with VALIDATE reports the first id outside [-1, E) in the status words. Owners outside `live`
+    (bits) get nothing."""
     experts = block * EXPERTS_BLOCK + tl.arange(0, EXPERTS_BLOCK)
-    real = experts < num_experts
-    owner = tl.where(real, experts // experts_per_rank, 0)
+    owner = tl.where(experts < num_experts, experts // experts_per_rank, 0)
+    real = (experts < num_experts) & _bit(live, owner)
     positions = tl.load(peers + D_POSITIONS * world + owner).to(tl.pointer_type(tl.int32))
     positions += stage * max_tokens * topk
     found = tl.zeros((EXPERTS_BLOCK,), tl.int32)
@@ -232,16 +309,18 @@ def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, wor
     tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
     if block == 0:
         for r in range(world):
-            tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+            if _bit(live, r):
+                tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
 
 
 @triton.jit
 def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, world, max_tokens,
-                     hidden, topk, experts_per_rank,
+                     hidden, topk, experts_per_rank, live,
                      FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, chunk of BLOCK_GROUPS * GROUP columns):
     quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
-    experts; with the first chunk, the token's ids to every rank and its weights to those ranks."""
+    experts; with the first chunk, the token's ids to every rank and its weights to those ranks. Ranks
+    outside `live` (bits) get nothing."""
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
@@ -254,8 +333,9 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
         if chunk == 0:
             weights = tl.load(w_ptr + t * topk + kk, mask=kk < topk, other=0.0).to(tl.float32)
             for r in range(world):
-                tl.store(_peer(peers, D_IDS, r, world, tl.int32) + row * topk + kk, ids, mask=kk < topk)
-                if tl.max((dest == r).to(tl.int32), 0) > 0:
+                if _bit(live, r):
+                    tl.store(_peer(peers, D_IDS, r, world, tl.int32) + row * topk + kk, ids, mask=kk < topk)
+                if (tl.max((dest == r).to(tl.int32), 0) > 0) & _bit(live, r):
                     tl.store(_peer(peers, D_WEIGHTS, r, world, tl.float32) + row * topk + kk, weights,
                              mask=kk < topk)
         g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
@@ -266,7 +346,7 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
         else:
             payload = x
         for r in range(world):
-            if tl.max((dest == r).to(tl.int32), 0) > 0:
+            if (tl.max((dest == r).to(tl.int32), 0) > 0) & _bit(live, r):
                 tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * hidden + cols, payload, mask=mask)
                 if FP8:
                     tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
@@ -274,25 +354,29 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
 
 
 @triton.jit
-def _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world, experts_per_rank):
-    """Receive's once-per-call part: the token count of each source, and the rows per local expert."""
+def _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world, experts_per_rank,
+                          reached):
+    """Receive's once-per-call part: the token count of each source, and the rows per local expert, over
+    the sources in `reached` (bits; the others count 0 tokens)."""
     for src in range(world):
-        tl.store(kept_tokens_ptr + src, tl.load(tokens_ptr + stage + src))
+        tl.store(kept_tokens_ptr + src, tl.where(_bit(reached, src), tl.load(tokens_ptr + stage + src), 0))
     for e0 in range(0, experts_per_rank, 128):
         e = e0 + tl.arange(0, 128)
         total = tl.zeros((128,), tl.int32)
         for src in range(world):
-            total += tl.load(count_ptr + (stage + src) * experts_per_rank + e, mask=e < experts_per_rank, other=0)
+            counts = tl.load(count_ptr + (stage + src) * experts_per_rank + e, mask=e < experts_per_rank, other=0)
+            total += tl.where(_bit(reached, src), counts, 0)
         tl.store(recv_count_ptr + e, total, mask=e < experts_per_rank)
 
 
 @triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
-                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank, reached,
                          FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
-    """Work items item0, item0 + items_step, ... of (source row, chunk): fan the received chunk out to
-    the rows of its local experts; with the first chunk, keep what combine needs."""
+    """Work items item0, item0 + items_step, ... of (source row, chunk) of the sources in `reached` (bits):
+    fan the received chunk out to the rows of its local experts; with the first chunk, keep what combine
+    needs."""
     rows_per_expert = world * max_tokens
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
@@ -302,14 +386,15 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr
         chunk = item % chunks
         src = src_row // max_tokens
         t = src_row % max_tokens
-        if t < tl.load(tokens_ptr + stage + src):
+        if (t < tl.load(tokens_ptr + stage + src)) & _bit(reached, src):
             meta = (stage * max_tokens + src_row) * topk + kk
             ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
             expert = tl.where(local, ids - rank * experts_per_rank, 0)
             row = tl.load(pos_ptr + meta, mask=local, other=0)
             for s in range(src):
-                row += tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
+                counts = tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
+                row += tl.where(_bit(reached, s), counts, 0)
             row = tl.where(local, row, -1)
             if chunk == 0:
                 kept = src_row * topk + kk
@@ -334,10 +419,11 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr
 
 @triton.jit
 def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
-                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
-    token's local experts, in fp32, k order, stored once into the source rank's combine buffer."""
+    token's local experts, in fp32, k order, stored once into the source rank's combine buffer (for the
+    sources in `live`, bits)."""
     rows_per_expert = world * max_tokens
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
@@ -345,7 +431,7 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
         src_row = item // chunks
         src = src_row // max_tokens
         t = src_row % max_tokens
-        if t < tl.load(kept_tokens_ptr + src):
+        if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
             meta = src_row * topk + kk
             ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
@@ -367,11 +453,12 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
 
 
 @triton.jit
-def _combine_recv_items(out_ptr, ids_ptr, data_ptr, item0, items_step, num_tokens, slot, world, max_tokens, hidden,
-                        topk, experts_per_rank, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
-                        WORLD_PAD: tl.constexpr):
+def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step, num_tokens, slot, world, max_tokens,
+                        hidden, topk, experts_per_rank, reached, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+                        WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, column chunk): the ranks' rows added in rank
-    order, in fp32, for the ranks the token was routed to."""
+    order, in fp32, for the ranks the token was routed to that are in `reached` (bits). With ELASTIC the
+    first chunk also writes lost [T, K] (int8): 1 where the token's expert k is on a rank not reached."""
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
     for item in range(item0, num_tokens * chunks, items_step):
@@ -380,6 +467,11 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, item0, items_step, num_token
         mask = cols < hidden
         ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
         dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
+        if ELASTIC:                                     # experts on ranks not reached count as dropped
+            lost = (dest >= 0) & ~_bit(reached, tl.maximum(dest, 0))
+            if item % chunks == 0:
+                tl.store(lost_ptr + t * topk + kk, lost.to(tl.int8), mask=kk < topk)
+            dest = tl.where(lost, -1, dest)
         acc = tl.zeros((BLOCK_H,), tl.float32)
         for r in tl.static_range(WORLD_PAD):            # rank order
             routed = tl.max((dest == r).to(tl.int32), 0) > 0
@@ -395,28 +487,31 @@ def dispatch_send_kernel(
     peers,                                                   # int64 [DISPATCH_PEERS, world]
     freed_ptr,                                               # my credit counters [SLOTS, world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
+    live_peers, agreed_ptr,                                  # int64 [world]: every rank's live mask; [SLOTS]
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
+    VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
     tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
-                                 TAG_DISPATCH_CREDIT, True, WORLD_PAD, TIMING)
+    status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
+                                    world, 1, timeout_ns, TAG_DISPATCH_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     pid = tl.program_id(0)
     layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
+        live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
         if pid < layout_programs:
             _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
-                             experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
+                             experts_per_rank, num_experts, live, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
         else:
             _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_programs,
                              tl.num_programs(0) - layout_programs, stage, num_tokens, world, max_tokens, hidden,
-                             topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+                             topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -425,25 +520,27 @@ def dispatch_recv_kernel(
     peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
-    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    WORLD_PAD: tl.constexpr, TIMING: tl.constexpr,
+    WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, world, 0,
-                                 timeout_ns, TAG_DISPATCH_ARRIVAL, False, WORLD_PAD, TIMING)
+    status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
+                                          rank, world, 0, timeout_ns, TAG_DISPATCH_ARRIVAL, False, WORLD_PAD, ELASTIC,
+                                          TIMING)
     stage = slot * world                                   # first source row block of this slot
     if ok:
+        reached = _agree(agreed_ptr + slot, use, reached, ELASTIC)
         if tl.program_id(0) == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world,
-                                  experts_per_rank)
+                                  experts_per_rank, reached)
         _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr, recv_x_ptr,
                              recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, tl.program_id(0),
-                             tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk, experts_per_rank, FP8,
-                             GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_FREED, slot * world + rank, world, stamps_ptr,
-            TIMING, WORLD_PAD)
+                             tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                             reached, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -451,40 +548,43 @@ def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
     peers,                                                   # int64 [COMBINE_PEERS, world]
-    freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
+    freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
     arrived and freed counters [SLOTS, world] i64."""
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
-                                 TAG_COMBINE_CREDIT, True, WORLD_PAD, TIMING)
+    status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
+                                    world, 1, timeout_ns, TAG_COMBINE_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            BLOCK_H, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_ARRIVED, slot * world + rank, world, stamps_ptr,
-            TIMING, WORLD_PAD)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
 def combine_recv_kernel(
     out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
+    lost_ptr,                                                # int8 [T, K]: experts lost (ELASTIC)
     data_ptr, arrived_ptr,                                   # my combine staging, arrival counters
     peers,                                                   # int64 [COMBINE_PEERS, world]: the expert ranks' credits
-    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
+    finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, world, 0,
-                                 timeout_ns, TAG_COMBINE_ARRIVAL, False, WORLD_PAD, TIMING)
+    status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
+                                          rank, world, 0, timeout_ns, TAG_COMBINE_ARRIVAL, False, WORLD_PAD, ELASTIC,
+                                          TIMING)
     if ok:
-        _combine_recv_items(out_ptr, ids_ptr, data_ptr, tl.program_id(0), tl.num_programs(0), num_tokens, slot, world,
-                            max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_FREED, slot * world + rank, world, stamps_ptr,
-            TIMING, WORLD_PAD)
+        _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, tl.program_id(0), tl.num_programs(0), num_tokens,
+                            slot, world, max_tokens, hidden, topk, experts_per_rank,
+                            _agree(agreed_ptr + slot, use, reached, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
@@ -496,68 +596,77 @@ def dispatch_kernel(
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,
     finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
+    live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    VALIDATE: tl.constexpr, TIMING: tl.constexpr,
+    VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
     and token items by program id, then all wait for the peers' rows and fan them out."""
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
-                                 TAG_DISPATCH_CREDIT, False, WORLD_PAD, TIMING)
+    status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
+                                    world, 1, timeout_ns, TAG_DISPATCH_CREDIT, False, WORLD_PAD, ELASTIC, TIMING)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank                              # my row block on every receiver
     if ok:
+        live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
         for block in range(pid, tl.cdiv(num_experts, EXPERTS_BLOCK), programs):
             _dispatch_layout(ids_ptr, peers, status_ptr, block, stage, num_tokens, call, world, max_tokens, topk,
-                             experts_per_rank, num_experts, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
+                             experts_per_rank, num_experts, live, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
-                         topk, experts_per_rank, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, D_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+                         topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
-    ok = _await_peers(ok, recv_stamps, arrived_ptr, slot, world, use, timeout_ns, status_ptr, TAG_DISPATCH_ARRIVAL,
-                      clock_ptr, WORLD_PAD, TIMING)
+    ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
+                               status_ptr, TAG_DISPATCH_ARRIVAL, clock_ptr, WORLD_PAD, ELASTIC, TIMING)
     if ok:
+        reached = _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached, ELASTIC)
         if pid == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
-                                  experts_per_rank)
+                                  experts_per_rank, reached)
         _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr,
                              recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, pid,
-                             programs, slot * world, rank, world, max_tokens, hidden, topk, experts_per_rank, FP8,
-                             GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, peers, D_FREED, stage, world,
-            recv_stamps, TIMING, WORLD_PAD)
+                             programs, slot * world, rank, world, max_tokens, hidden, topk, experts_per_rank, reached,
+                             FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
+            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
 def combine_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
-    out_ptr, ids_ptr,                                        # y [T, H], this rank's topk ids [T, K]
+    out_ptr, ids_ptr, lost_ptr,                              # y [T, H], this rank's topk ids [T, K], lost [T, K]
     data_ptr, arrived_ptr, freed_ptr,                        # my combine staging, arrival and credit counters
     peers,                                                   # int64 [COMBINE_PEERS, world]
     finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
+    live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
-    status_ptr, use, ok = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, world, 1, timeout_ns,
-                                 TAG_COMBINE_CREDIT, False, WORLD_PAD, TIMING)
+    status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
+                                    world, 1, timeout_ns, TAG_COMBINE_CREDIT, False, WORLD_PAD, ELASTIC, TIMING)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
-                            slot, rank, world, max_tokens, hidden, topk, experts_per_rank, BLOCK_H, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, peers, C_ARRIVED, stage, world, stamps_ptr, TIMING, WORLD_PAD)
+                            slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
-    ok = _await_peers(ok, recv_stamps, arrived_ptr, slot, world, use, timeout_ns, status_ptr, TAG_COMBINE_ARRIVAL,
-                      clock_ptr, WORLD_PAD, TIMING)
+    ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
+                               status_ptr, TAG_COMBINE_ARRIVAL, clock_ptr, WORLD_PAD, ELASTIC, TIMING)
     if ok:
-        _combine_recv_items(out_ptr, ids_ptr, data_ptr, pid, programs, num_tokens, slot, world, max_tokens, hidden,
-                            topk, experts_per_rank, BLOCK_H, K_PAD, WORLD_PAD)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, peers, C_FREED, stage, world,
-            recv_stamps, TIMING, WORLD_PAD)
+        _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, pid, programs, num_tokens, slot, world, max_tokens,
+                            hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached,
+                                                                   ELASTIC),
+                            BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED, stage,
+            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)

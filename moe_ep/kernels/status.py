@@ -30,9 +30,10 @@ TAG_RS_TILE = _wait("GEMM reduce-scatter (waiting for a peer's partials)")
 TAG_AR_TILE = _wait("GEMM all-reduce (waiting for a peer's partials)")
 
 # EP: after the timeout report, the first out-of-range expert id a dispatch saw (its call number, 0 = none;
-# the id; its flat index into topk_ids).
+# the id; its flat index into topk_ids), then 1 once an elastic rank found itself marked dead by its peers.
 STATUS_BAD_CALL = tl.constexpr(STATUS_WORDS)
 STATUS_BAD_ID = tl.constexpr(STATUS_WORDS + 1)
 STATUS_BAD_INDEX = tl.constexpr(STATUS_WORDS + 2)
-EP_STATUS_WORDS = STATUS_WORDS + 3
+STATUS_EVICTED = tl.constexpr(STATUS_WORDS + 3)
+EP_STATUS_WORDS = STATUS_WORDS + 4
 TP_STATUS_WORDS = STATUS_WORDS   # the timeout report alone
