@@ -9,6 +9,7 @@
 #             shapes at their decode and prefill rows). On one H200: 392 s with a warm compile cache (see
 #             below), 506 s cold.
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
+# elastic     elastic EP: ranks killed at 4 ranks, the survivors go on
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04
 # sweep8      the dispatch/combine sweep at 8 ranks
@@ -28,7 +29,7 @@
 # importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
 # and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick tests_ep tests_moe tests_tp tests_cpu
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick tests_ep tests_moe tests_tp elastic tests_cpu
   engines tutorials sweep8 bench_ep bench_moe bench_gemm bench_tp bench_full"
 out="${1:?$usage}"
 shift
@@ -135,13 +136,13 @@ for part in $parts; do
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
         tests/test_matmul.py tests/test_quant.py tests/test_moe_layer.py -m "not gpu" \
         --and-then pytest_shmem 300 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu \
-        tests/test_shmem_gpu.py
+        tests/test_shmem_gpu.py --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       lane pytest_ep 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
         -m gpu tests/test_ep_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
       lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py
       wait
       cat "$out"/*.lane
-      for name in pytest_kernels pytest_shmem pytest_ep engines pytest_tp; do
+      for name in pytest_kernels pytest_shmem pytest_elastic pytest_ep engines pytest_tp; do
         grep -qE "^(PASS|SKIP) +$name " "$out/summary.txt" || failed=1
       done
       own_gpu
@@ -152,6 +153,7 @@ for part in $parts; do
     tests_moe) step pytest_moe 540 python3 -m pytest -q -rs tests/test_moe_layer.py tests/test_grouped_gemm.py \
                  tests/test_quant.py tests/test_matmul.py ;;
     tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;
+    elastic) step pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py ;;
     tests_cpu) step pytest_cpu 540 python3 -m pytest -q -rs -m "not gpu" tests ;;
     engines) engine_tests 300 ;;
     tutorials) step tutorial01 60 bash launch.sh --nproc "$ranks" tutorials/01-ring-exchange.py

@@ -3,6 +3,8 @@
     run(fn, world, *args)   # fn(rank, world, *args) in every process; gloo on CPU
     run(fn, world, *args, gpu=True)   # GPU r % GPUs for rank r: NCCL with a GPU per rank, else gloo
                                       # (shared-GPU mode, under CUDA MPS); NVSHMEM finalized at the end
+    run(fn, world, *args, lost=(3,))  # rank 3 dies on the way, by die(); nobody tears down, since
+                                      # NVSHMEM's finalize and the group's barrier would wait for it
 
 GPU tests run at each world size of GPU_WORLDS: every visible GPU (up to 8), or on one GPU 2 and 4
 ranks sharing it; MOE_EP_TEST_WORLDS (e.g. "8" or "2,4") overrides.
@@ -34,7 +36,18 @@ GPU_WORLDS = [int(w) for w in os.environ.get("MOE_EP_TEST_WORLDS", "").split(","
 gpu_worlds = pytest.mark.parametrize("world", GPU_WORLDS)   # a GPU test's world sizes
 
 
-def _worker(fn, rank, world, folder, gpu, args, failed):
+DIED = 75          # the exit code of a rank a test kills on purpose
+
+
+def die() -> None:
+    """End this rank now, as a crash would (no teardown, no flush of CUDA work), with the exit code `run`
+    expects of the ranks in its `lost`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(DIED)
+
+
+def _worker(fn, rank, world, folder, gpu, args, failed, teardown):
     log = os.open(Path(folder) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -51,7 +64,8 @@ def _worker(fn, rank, world, folder, gpu, args, failed):
         else:
             dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         fn(rank, world, *args)
-        runtime.finalize_distributed()   # NVSHMEM if it started, a barrier, the group
+        if teardown:
+            runtime.finalize_distributed()   # NVSHMEM if it started, a barrier, the group
     except BaseException:
         traceback.print_exc()
         failed.put(rank)
@@ -67,12 +81,13 @@ def _read(log: Path) -> str:
     return log.read_text(errors="replace") if log.exists() else "(no output)\n"
 
 
-def run(fn, world, *args, gpu=False, timeout=600):
+def run(fn, world, *args, gpu=False, timeout=600, lost=()):
     ctx = mp.get_context("spawn")
     failed = ctx.SimpleQueue()
     folder = tempfile.mkdtemp(prefix="moe_ep_test_")
     try:
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, folder, gpu, args, failed)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, folder, gpu, args, failed, not lost))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -86,7 +101,7 @@ def run(fn, world, *args, gpu=False, timeout=600):
                 p.kill()
             p.join()
         codes = [p.exitcode for p in procs]
-        if codes != [0] * world:
+        if codes != [DIED if r in lost else 0 for r in range(world)]:
             logs = "".join(f"\n--- rank {r}: exit code {code}{' (killed: did not finish)' if r in hung else ''} ---\n"
                            + _read(Path(folder) / f"rank{r}.log") for r, code in enumerate(codes))
             reason = f"ranks {hung} did not finish within {timeout}s" if hung and failed.empty() else "a rank failed"

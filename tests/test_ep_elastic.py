@@ -6,14 +6,23 @@ send (its receive never runs), or after its whole dispatch (before its combine).
 call waits timeout_s for it, marks it dead and completes; every call is compared bit for bit with the
 oracle of tests/cases.py run without the dead rank's experts (their ids dropped), and handle.lost with
 the experts that were on it.
+
+On a GPU (4 ranks; on one GPU in shared-GPU mode) ranks die for real, with os._exit, one after another:
+before a dispatch, between a dispatch and its combine, and in the middle of a kernel (its receive waits
+for peers that hold back). Eager calls, and replays of CUDA graphs captured while every rank was alive.
+The survivors' first call after each death returns within timeout_s + 1 s, and the 100 calls after it
+are bit-exact against the oracle.
 """
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
+from distributed import GPUS, die, run
 from moe_ep import EPAllToAll
 from moe_ep.runtime import CommTimeoutError
 
@@ -22,32 +31,29 @@ INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 HIDDEN, EXPERTS, TOPK, GROUP, TIMEOUT_S = 128, 12, 3, 64, 4.0
 
 
-def without(inputs, dead, world):
-    """The inputs with every expert id on a rank of `dead` dropped (-1): what the survivors' results equal."""
-    per_rank = EXPERTS // world
-    return [(x, ids.masked_fill((ids >= 0) & torch.isin(ids // per_rank, torch.tensor(sorted(dead))), -1), w)
-            for x, ids, w in inputs]
+def on_dead(ids, dead, per_rank):
+    """bool, like ids: the ids of experts on a rank of `dead` (each rank holding `per_rank` experts)."""
+    return (ids >= 0) & torch.isin(ids // per_rank, torch.tensor(sorted(dead) or [-1]))
 
 
-def check(ranks, live, senders, inputs, outs, combined, dead, max_tokens):
-    """Every survivor's dispatch (the rows of `senders`) and combine against the oracle; handle.lost against
-    the dead ranks' experts."""
-    world = len(ranks)
-    per_rank = EXPERTS // world
+def check(rank, world, experts, max_tokens, out, y, inputs, senders, dead):
+    """One survivor's dispatch outputs `out` (recv_x, recv_scales, recv_count, handle) against the oracle fed
+    the rows of `senders`; its combine's y against the oracle without the experts of `dead`; handle.lost
+    against those experts."""
+    per_rank = experts // world
+    recv_x, recv_scales, recv_count = (t.cpu() for t in out[:3])
+    handle = out[3]
     sent = [inp if r in senders else (inp[0][:0], inp[1][:0], inp[2][:0]) for r, inp in enumerate(inputs)]
-    for r in live:
-        recv_x, recv_scales, recv_count, handle = outs[r][:4]
-        expected = expected_dispatch(r, world, sent, EXPERTS, max_tokens, GROUP)
-        assert recv_count.tolist() == [len(rows) for rows in expected], r
-        for e, rows in enumerate(expected):
-            for i, (payload, scales, source) in enumerate(rows):
-                assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (r, e, i)
-                assert torch.equal(recv_scales[e, i], scales) and int(handle.recv_src[e, i]) == source, (r, e, i)
-        assert torch.equal(combined[r], expected_combine(r, world, without(inputs, dead, world), EXPERTS, GROUP,
-                                                         torch.bfloat16)), r
-        ids = inputs[r][1]
-        lost = (ids >= 0) & torch.isin(ids // per_rank, torch.tensor(sorted(dead) or [-1]))
-        assert torch.equal(handle.lost, lost), r
+    expected = expected_dispatch(rank, world, sent, experts, max_tokens, GROUP)
+    assert recv_count.tolist() == [len(rows) for rows in expected], rank
+    sources = handle.recv_src.cpu()
+    for e, rows in enumerate(expected):
+        for i, (payload, scales, source) in enumerate(rows):
+            assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (rank, e, i)
+            assert torch.equal(recv_scales[e, i], scales) and int(sources[e, i]) == source, (rank, e, i)
+    survived = [(x, ids.masked_fill(on_dead(ids, dead, per_rank), -1), w) for x, ids, w in inputs]
+    assert torch.equal(y.cpu(), expected_combine(rank, world, survived, experts, GROUP, torch.bfloat16)), rank
+    assert torch.equal(handle.lost.cpu(), on_dead(inputs[rank][1], dead, per_rank)), rank
 
 
 def call(ranks, live, inputs, victim=None, point=None):
@@ -91,8 +97,8 @@ def test_survivors_go_on(world, victim, point):
         else:
             outs, combined, senders = call(ranks, survivors, inputs, *((victim, point) if n == 1 else ()))
         took = time.monotonic() - started
-        check(ranks, survivors if n else everyone, senders, inputs, outs, combined, {victim} if n else set(),
-              max_tokens)
+        for r in survivors if n else everyone:
+            check(r, world, EXPERTS, max_tokens, outs[r], combined[r], inputs, senders, {victim} if n else set())
         if n == 1:
             assert TIMEOUT_S <= took < TIMEOUT_S + 30, took      # one timeout, plus the interpreter's work
         elif n > 1:                 # the victim is masked on every survivor: nothing waits for it any more
@@ -124,7 +130,8 @@ def test_mask_ranks_on_purpose():
         started = time.monotonic()
         outs, combined, senders = call(ranks, live, inputs)
         assert time.monotonic() - started < 30.0
-        check(ranks, live, senders, inputs, outs, combined, {1} if n else set(), max_tokens)
+        for r in live:
+            check(r, world, EXPERTS, max_tokens, outs[r], combined[r], inputs, senders, {1} if n else set())
     assert [ranks[r].live_ranks() for r in range(world)] == [survivors, [0, 1, 2], survivors]
 
 
@@ -144,3 +151,89 @@ def test_elastic_arguments_are_checked():
         with pytest.raises(ValueError, match=message):
             ep.mask_ranks(bad)
     assert ep.live_ranks() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+GPU_WORLD = 4 if GPUS in (1, 4) or GPUS > 4 else GPUS    # on one GPU: shared-GPU mode (MPS) at 4 ranks
+POINTS = ("before dispatch", "between dispatch and combine", "mid kernel")
+AFTER = 100                                            # calls checked after each death
+GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, GPU_TIMEOUT_S = 16, 512, 16, 4, 2.0
+
+
+def deaths(world):
+    """(call, victim, point) of each death: ranks world-1, ..., 1 die in turn, AFTER calls apart."""
+    return [(3 + i * (AFTER + 1), world - 1 - i, POINTS[i % len(POINTS)]) for i in range(world - 1)]
+
+
+def _elastic(rank, world, graphed, folder):
+    ep = EPAllToAll(GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, fp8_group=GROUP, timeout_s=GPU_TIMEOUT_S,
+                    elastic=True)
+    schedule = {call: (victim, point) for call, victim, point in deaths(world)}
+    tokens = [GPU_TOKENS - r for r in range(world)]
+    static = [t.cuda() for t in make_inputs(rank, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=0)]
+
+    def dispatch():
+        recv_x, recv_scales, recv_count, handle = ep.dispatch(*static)
+        return recv_x, recv_scales, recv_count, handle, expert_fn(recv_x, recv_scales, GROUP, torch.bfloat16)
+
+    def combine(out):
+        return ep.combine(out[4], out[3])
+
+    if graphed:         # captured while every rank is alive, replayed across the deaths: no recapture
+        first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        combine(dispatch())
+        with torch.cuda.graph(first):
+            out = dispatch()
+        with torch.cuda.graph(second):
+            y = combine(out)
+    dead, last, first_calls = set(), max(schedule) + AFTER + 1, []
+    for n in range(last):
+        victim, point = schedule.get(n, (None, None))
+        if rank == victim and point == "before dispatch":
+            die()
+        inputs = [make_inputs(r, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=n, drop=0.1) for r in range(world)]
+        for dst, src in zip(static, inputs[rank]):
+            dst.copy_(src)
+        if point == "mid kernel" and rank != victim:
+            time.sleep(1.0)      # the victim's receive is waiting for this rank when the victim dies
+        started = time.monotonic()
+        if graphed:
+            first.replay()
+        else:
+            out = dispatch()
+        if rank == victim:
+            if point == "mid kernel":
+                time.sleep(0.3)
+            else:
+                torch.cuda.synchronize()
+            die()
+        if graphed:
+            second.replay()
+        else:
+            y = combine(out)
+        torch.cuda.synchronize()
+        took = time.monotonic() - started
+        senders = [r for r in range(world) if r not in dead and (r != victim or point != "before dispatch")]
+        if victim is not None:
+            dead.add(victim)
+            assert took < GPU_TIMEOUT_S + 1, (n, took)
+            first_calls.append(round(took, 3))
+        elif n > 0:
+            assert took < GPU_TIMEOUT_S, (n, took)          # nothing waits for a dead rank twice
+        check(rank, world, GPU_EXPERTS, GPU_TOKENS, out, y, inputs, senders, dead)
+    assert ep.live_ranks() == sorted(set(range(world)) - dead)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"first_calls_s": first_calls, "calls": last}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_ranks_die_and_the_survivors_go_on(graphed, tmp_path):
+    world, schedule = GPU_WORLD, deaths(GPU_WORLD)
+    run(_elastic, world, graphed, str(tmp_path), gpu=True, timeout=300, lost=[victim for _, victim, _ in schedule])
+    reports = {int(f.stem[4:]): json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")}
+    assert sorted(reports) == [0]                     # rank 0 alone went through every call
+    for call, victim, point in schedule:
+        print(f"{'graph' if graphed else 'eager'}, {world} ranks: rank {victim} died {point} (call {call})")
+    print(f"the survivors' first calls after each death took {reports[0]['first_calls_s']} s (timeout_s = "
+          f"{GPU_TIMEOUT_S}); rank 0 completed {reports[0]['calls']} calls, {AFTER} after the last death")
