@@ -54,6 +54,14 @@ atomic per peer, all peers at once. Before writing into a slot a sender waits fo
 receivers' credits for that slot's previous use. Every wait is bounded (``wait_all_ge``): a
 timeout writes the status words and the host raises.
 
+Elastic mode (ELASTIC, ``EPAllToAll(elastic=True)``): every rank keeps a live mask, int32 [world] in
+symmetric memory (the peer table ``live_peers``). Waits are over the live ranks; a rank that runs past
+the timeout is marked dead in every rank's mask (``_wait``), nothing is sent or signalled to a dead
+rank, and a receive reads the ranks whose signal reached its use count, the same set in every program
+of the launch (``_agree``). Rows from rank r land in row blocks only r writes, so what a dying rank
+writes late lands where nobody reads again. Combine's receive reports, per token, the experts on ranks
+it did not read (``lost``).
+
 Buffers a kernel reaches on peers come in one peer table per direction: int64 [rows, world],
 ``peers[ROW * world + r]`` = rank r's address of buffer ROW (the ``DISPATCH_PEERS`` /
 ``COMBINE_PEERS`` rows).
