@@ -20,10 +20,14 @@ and, in the same process, eager:
              put rows in expert order (combine: the weighted sums per (token, rank), one
              all_to_all_single back, an index_add)
   reference  moe_ep.reference, the test oracle (all_to_all_single of (token, expert) rows)
-Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16 rows; each token once per
-destination rank) over the graph time. `--breakdown` reruns the decode settings (up to 512 tokens)
-with device timestamps and prints, per rank, where a call spends its time. `--sweep` also times 32
-to 2048 tokens per rank (graph only) and draws latency.png.
+HBM floor: `floor_us` is the time the bytes an op must move through this rank's HBM take at the GPU's
+datasheet peak (moe_ep.routing.hbm_bytes, counted from every rank's routing of the setting: x read, rows
+staged and read back, each hit's row written to its expert; combine: each hit's expert row read, the
+per-rank partial sums staged and read back, y written; timing.floor_us), and `vs_floor` = graph time /
+floor_us (1 would be at the floor). Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16
+rows; each token once per destination rank) over the graph time. `--breakdown` reruns the decode
+settings (up to 512 tokens) with device timestamps and prints, per rank, where a call spends its time.
+`--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png.
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
@@ -39,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import EPAllToAll, link_copies, random_topk, reference
-from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
+from moe_ep.routing import hbm_bytes
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
+                           row_line)
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
@@ -272,20 +278,27 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
     out["dispatch_link_MB"] = per_rank_copies * token_bytes / 1e6
     out["dispatch_link_MB_one_copy_per_expert"] = per_expert_copies * token_bytes / 1e6
     out["combine_link_MB"] = per_rank_copies * HIDDEN * 2 / 1e6
+    every_rank = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(every_rank, ids)
+    dispatch_bytes, combine_bytes = hbm_bytes(every_rank, rank, EXPERTS // world, HIDDEN, torch.bfloat16, GROUP)
+    out["dispatch_hbm_MB"], out["combine_hbm_MB"] = dispatch_bytes / 1e6, combine_bytes / 1e6
     for op in ("dispatch", "combine"):
         out[f"{op}_link_GBps"] = out[f"{op}_link_MB"] * 1e3 / out[f"{op}_graph_us"]
+        floor = floor_us(0, out[f"{op}_hbm_MB"] * 1e6)
+        if floor is not None:
+            out[f"{op}_floor_us"], out[f"{op}_vs_floor"] = floor, out[f"{op}_graph_us"] / floor
         if f"nccl_{op}_us" in out:
             out[f"{op}_speedup_vs_nccl"] = out[f"nccl_{op}_us"] / out[f"{op}_eager_us"]
     return out
 
 
-COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_decode_graph_us", "dispatch_prefill_graph_us",
-           "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us", "dispatch_host_us",
-           "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_vs_floor", "dispatch_decode_graph_us",
+           "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us",
+           "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
            "dispatch_speedup_vs_nccl",
-           "combine_graph_us", "combine_eager_us", "combine_host_us", "combine_front_us", "combine_kernel_us",
-           "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl", "dispatch_link_MB",
-           "dispatch_link_GBps", "combine_link_GBps"]
+           "combine_graph_us", "combine_floor_us", "combine_vs_floor", "combine_eager_us", "combine_host_us",
+           "combine_front_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
+           "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
 PHASES = ("send", "signal", "wait", "recv")
 
 
@@ -352,7 +365,8 @@ def main():
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
-                f"Times in us (rank 0); speedups are NCCL eager over ours eager:\n\n{markdown_table(rows, COLUMNS)}\n")
+                f"Times in us (rank 0); speedups are NCCL eager over ours eager; vs_floor is graph time over the HBM "
+                f"floor:\n\n{markdown_table(rows, COLUMNS)}\n")
         lines = [line for row in rows for line in breakdown_lines(row)]
         if lines:
             text += "\nBreakdown (device timestamps, medians):\n\n" + "\n".join(f"    {line}" for line in lines) + "\n"

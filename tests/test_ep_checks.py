@@ -1,5 +1,5 @@
 """EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference);
-its kernels compile for the GPU."""
+its kernels compile for the GPU; the routing helpers count what a call moves."""
 import os
 import subprocess
 import sys
@@ -9,6 +9,7 @@ import torch
 
 from distributed import run
 from moe_ep import EPAllToAll, link_copies, random_topk
+from moe_ep.routing import hbm_bytes
 
 GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
 
@@ -84,6 +85,25 @@ def test_link_copies_counts_ranks_once():
     ids = torch.tensor([[0, 1, 4, 5], [2, 3, -1, -1], [6, 7, 0, -1]])    # 8 experts, world 2, rank 0
     once_per_rank, once_per_expert = link_copies(ids, experts_per_rank=4, rank=0, world=2)
     assert (once_per_rank, once_per_expert) == (2, 4)
+
+
+def test_hbm_bytes_by_hand():
+    """1 rank, 4 tokens, H = 256 (bf16, 512 B a row), 8 experts, top-2: every token staged and routed once,
+    8 hits. FP8 rows with group 128 are 256 + 2 * 4 = 264 B; ids and weights 8 B a slot."""
+    ids = [torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])]
+    x, meta, staged = 4 * 512, 8 * 4 * 2, 2 * 4 * 2 * 8     # read x; read ids and weights; their staging
+    combine = 8 * 512 + 2 * 4 * 512 + 4 * 512               # expert rows read; partials written, read; y
+    assert hbm_bytes(ids, 0, 8, 256, fp8_group=128) == (x + meta + 2 * 4 * 264 + staged + 8 * 264, combine)
+    assert hbm_bytes(ids, 0, 8, 256, fp8_group=None) == (x + meta + 2 * 4 * 512 + staged + 8 * 512, combine)
+
+
+def test_hbm_bytes_counts_the_routing_of_every_rank():
+    """Rank 0 of 2 (experts 0-3 local), dropped slots: hits 0, 1 from rank 0 and 0, 2, 3 from rank 1 (5);
+    staged tokens 0, 2 of rank 0 and 1, 3 of rank 1 (4); rank 0's tokens reach 2 + 1 + 1 ranks (4)."""
+    ids = [torch.tensor([[0, 5], [6, 7], [1, -1]]), torch.tensor([[4, 5], [0, 2], [-1, -1], [3, 6]])]
+    dispatch = 3 * 512 + 8 * 3 * 2 + 2 * 4 * (264 + 8 * 2) + 5 * 264
+    combine = 5 * 512 + 2 * 4 * 512 + 3 * 512
+    assert hbm_bytes(ids, 0, 4, 256, fp8_group=128) == (dispatch, combine)
 
 
 def test_random_topk_is_a_distinct_softmax_routing():
