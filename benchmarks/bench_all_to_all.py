@@ -1,6 +1,7 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
     bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--tokens N,N,...] [--sweep] [--breakdown]
+                                                  [--crossover]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
@@ -27,7 +28,9 @@ per-rank partial sums staged and read back, y written; timing.floor_us), and `vs
 floor_us (1 would be at the floor). Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16
 rows; each token once per destination rank) over the graph time. `--breakdown` reruns the decode
 settings (up to 512 tokens) with device timestamps and prints, per rank, where a call spends its time.
-`--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png.
+`--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png. `--crossover` first
+builds an object for the largest --tokens and reports where its eager dispatches of the decode tiles
+stop beating the prefill tiles (EPAllToAll.measure_crossover: the bound of mode "auto" it sets).
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
@@ -213,6 +216,15 @@ def breakdown(ep, x, ids, weights, expert_out, iters: int) -> dict:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
+def crossover(max_tokens: int, iters: int) -> int:
+    """EPAllToAll.measure_crossover on an object built for `max_tokens` tokens per rank: the most tokens at
+    which its eager dispatches of mode "auto" take the decode tiles."""
+    ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
+    tokens = ep.measure_crossover(iters=iters)
+    ep.destroy()
+    return tokens
+
+
 def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress: Progress) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
@@ -311,6 +323,11 @@ def breakdown_lines(row) -> list[str]:
     return lines
 
 
+def crossover_line(found: dict) -> str:
+    return (f"Eager crossover (EPAllToAll.measure_crossover, an object for {found['max_tokens']} tokens per rank): "
+            f"mode \"auto\" takes the decode tiles up to {found['one_launch_tokens']} tokens")
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -345,10 +362,18 @@ def main():
         return
     args = benchmark_args(__doc__, iters=100, tokens=(*DECODE, PREFILL),
                           sweep="also time 32 to 2048 tokens per rank (graph only) and draw latency.png",
-                          breakdown="time each phase of the decode settings with device timestamps")
+                          breakdown="time each phase of the decode settings with device timestamps",
+                          crossover="measure the eager crossover of the decode and prefill tiles on an object for "
+                                    "the largest --tokens (EPAllToAll.measure_crossover)")
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": []}
+    if args.crossover:
+        largest = max(args.tokens)
+        with Progress(f"crossover, up to {largest} tokens per rank") as p:
+            results["crossover"] = {"max_tokens": largest, "one_launch_tokens": crossover(largest, args.iters)}
+        torch.cuda.empty_cache()
+        p.report(crossover_line(results["crossover"]))
     plan = [(t, args.iters if t <= DECODE[-1] else args.iters // 4, True, args.breakdown and t <= DECODE[-1])
             for t in args.tokens]
     if args.sweep:
@@ -367,6 +392,8 @@ def main():
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
                 f"Times in us (rank 0); speedups are NCCL eager over ours eager; vs_floor is graph time over the HBM "
                 f"floor:\n\n{markdown_table(rows, COLUMNS)}\n")
+        if args.crossover:
+            text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]
         if lines:
             text += "\nBreakdown (device timestamps, medians):\n\n" + "\n".join(f"    {line}" for line in lines) + "\n"

@@ -4,14 +4,15 @@
 
 Each file becomes one section headed by where and when it ran (device, ranks, date, torch and
 triton versions). EP all-to-all files (bench_all_to_all.py) get their latency table, the NCCL
-baselines and the per-phase breakdown; any other file gets a table of the scalar columns of
-each list of rows it holds ('-' where a row has no such entry).
+baselines, the eager crossover (--crossover) and the per-phase breakdown; any other file gets a table
+of the scalar columns of each list of rows it holds ('-' where a row has no such entry).
 """
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_all_to_all import crossover_line  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
 EP_COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_vs_floor", "dispatch_eager_us",
@@ -37,6 +38,8 @@ def ep_section(data: dict) -> str:
             "all_to_all_single with one host sync; reference: the test oracle; floor: the bytes the op must move "
             "through HBM at the datasheet peak, vs_floor: graph / floor). Link GB/s: bytes leaving the GPU over "
             "the graph time.\n\n" + markdown_table(rows, EP_COLUMNS) + "\n")
+    if "crossover" in data:
+        text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []
     for row in rows:
         for rank, phases in enumerate(row.get("breakdown") or []):

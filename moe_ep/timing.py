@@ -1,6 +1,6 @@
-"""Measuring on the GPU, for the benchmarks and tutorials: medians of CUDA-event times (warm-up
-excluded), the options and setup every benchmark shares, where it ran, its rows as they come (with a
-heartbeat while one takes long) and its table."""
+"""Measuring on the GPU, for the benchmarks, the tutorials and EPAllToAll.measure_crossover: medians of
+CUDA-event times (warm-up excluded), the options and setup every benchmark shares, where it ran, its rows
+as they come (with a heartbeat while one takes long) and its table."""
 import argparse
 import datetime
 import os

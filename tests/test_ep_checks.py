@@ -1,5 +1,6 @@
 """EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference);
-its kernels compile for the GPU; the routing helpers count what a call moves."""
+its kernels compile for the GPU; the routing helpers count what a call moves; "auto"'s crossover is decided
+from timings."""
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import torch
 
 from distributed import run
 from moe_ep import EPAllToAll, link_copies, random_topk
+from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
+from moe_ep.ep.protocol import crossover_tokens
 from moe_ep.routing import hbm_bytes
 
 GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
@@ -53,6 +56,8 @@ def _input_errors(rank, world):
             ep.dispatch(*args)
     with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'decode', 'prefill'\), got 'bulk'"):
         ep.dispatch(x, ids, weights, mode="bulk")
+    with pytest.raises(ValueError, match="measure_crossover times kernel tiles, and the reference backend has none"):
+        ep.measure_crossover()
     recv_x, recv_scales, _, handle = ep.dispatch(x, ids, weights)    # nothing was consumed by the failures
     assert handle.call == 1
     with pytest.raises(ValueError, match="shape"):
@@ -104,6 +109,22 @@ def test_hbm_bytes_counts_the_routing_of_every_rank():
     dispatch = 3 * 512 + 8 * 3 * 2 + 2 * 4 * (264 + 8 * 2) + 5 * 264
     combine = 5 * 512 + 2 * 4 * 512 + 3 * 512
     assert hbm_bytes(ids, 0, 4, 256, fp8_group=128) == (dispatch, combine)
+
+
+def test_crossover_is_the_largest_size_where_decode_wins():
+    sizes = [16, 32, 64, 128]
+    assert crossover_tokens(sizes, [10.0, 12.0, 20.0, 40.0], [15.0, 16.0, 18.0, 30.0]) == 32
+    assert crossover_tokens(sizes, [10.0, 20.0, 15.0, 40.0], [15.0, 16.0, 18.0, 30.0]) == 64   # not monotonic
+    assert crossover_tokens(sizes, [10.0, 12.0, 14.0, 16.0], [11.0, 13.0, 15.0, 17.0]) == 128
+    assert crossover_tokens(sizes, [15.0, 16.0, 18.0, 30.0], [15.0, 12.0, 14.0, 16.0]) == 0     # a tie: prefill
+
+
+def test_measure_crossover_needs_a_cuda_device():
+    ep = EPAllToAll.simulated(1, 8, 256, 8, 2)[0]
+    with pytest.raises(ValueError, match="measure_crossover times kernels on a CUDA device; this EPAllToAll runs "
+                                         "on cpu"):
+        ep.measure_crossover()
+    assert ep.protocol.one_launch_tokens == ONE_LAUNCH_TOKENS and ep._dispatches == 0
 
 
 def test_random_topk_is_a_distinct_softmax_routing():

@@ -187,3 +187,15 @@ def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call():
         hook()
     for r, (_, _, recv_count, _, _) in enumerate(outs):
         assert recv_count.tolist() == [len(rows) for rows in expected_dispatch(r, world, inputs, experts, tokens, 64)]
+
+
+def test_measure_crossover_refuses_while_a_dispatch_is_in_flight():
+    """A dispatch whose receive hook was not called yet is refused first; after the hook, the CPU device is."""
+    ep = simulated_world(1, 4, 128, 4, 2, None)[0]
+    *_, hook = ep.dispatch(*make_inputs(0, [3], 128, 4, 2, seed=0), return_recv_hook=True)
+    with pytest.raises(ValueError, match="a dispatch or combine is in flight: call its receive hook before"):
+        ep.measure_crossover()
+    hook()
+    with pytest.raises(ValueError, match="CUDA device"):
+        ep.measure_crossover()
+    assert ep._dispatches == 1

@@ -21,7 +21,8 @@ combines) may be in flight. Without a hook, both phases run in one kernel launch
 protocol allows it: one launch of host time less a call. Dispatch's ``mode`` picks its kernels:
 "decode" (a token row a work item, one launch without a hook), "prefill" (larger work items and
 more programs, a send and a receive kernel), or "auto" (the default): decode up to
-``low_latency.ONE_LAUNCH_TOKENS`` tokens in eager calls, prefill above and in CUDA graphs.
+``low_latency.ONE_LAUNCH_TOKENS`` tokens in eager calls, prefill above and in CUDA graphs;
+``measure_crossover()`` times both on this GPU and moves that bound to where they cross.
 
 No call waits for the GPU. Dispatch and combine can be captured in a CUDA graph: the call
 counts the signals depend on live on the device. Expert ids are range-checked by the dispatch
@@ -52,8 +53,10 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..kernels import status
+from ..routing import random_topk
+from ..timing import median_us, why_untimed
 from .low_latency import LowLatency
-from .protocol import MODES, EPConfig, EPResources
+from .protocol import MODES, EPConfig, EPResources, KernelProtocol, crossover_tokens
 from .reference import ReferenceProtocol
 
 PROTOCOLS = {"nvshmem": LowLatency, "reference": ReferenceProtocol}   # backend -> protocol
@@ -349,6 +352,49 @@ class EPAllToAll(runtime.CommObject):
         if not self.timing:
             raise ValueError("breakdown() needs EPAllToAll(..., timing=True)")
         return self.protocol.breakdown()
+
+    def measure_crossover(self, sizes=None, iters: int = 20) -> int:
+        """Time eager dispatches of mode "decode" and "prefill" on this GPU and let "auto" take the faster
+        tiles: decode up to the returned token count, prefill above (collective: every rank calls it with
+        the same arguments, with no dispatch or combine in flight; earlier handles are stale afterwards).
+
+        Each dispatch (send and receive) of random routing is timed alone with CUDA events after a barrier,
+        median of `iters` calls after a warm-up, at each token count of `sizes` (default: 16, 32, 64, ...
+        below max_tokens, and max_tokens); each time is the slowest rank's, so every rank decides alike.
+
+        Returns:
+            the largest of `sizes` at which the decode tiles were faster (0 if at none), now the protocol's
+            `one_launch_tokens`.
+        """
+        if not isinstance(self.protocol, KernelProtocol):
+            raise ValueError(f"measure_crossover times kernel tiles, and the {self.backend} backend has none")
+        if any(self._in_flight.values()):
+            raise ValueError("a dispatch or combine is in flight: call its receive hook before measure_crossover")
+        if self.device.type != "cuda":
+            raise ValueError(f"measure_crossover times kernels on a CUDA device; this EPAllToAll runs on {self.device}")
+        untimed = why_untimed(self.device)
+        if untimed is not None:
+            raise ValueError(f"measure_crossover would measure nothing useful here: {untimed}")
+        if sizes is None:
+            sizes = [2**p for p in range(4, self.max_tokens.bit_length())] + [self.max_tokens]
+        sizes = sorted(set(sizes))
+        if not sizes or not all(isinstance(t, int) and 1 <= t <= self.max_tokens for t in sizes):
+            raise ValueError(f"sizes must be token counts in [1, max_tokens={self.max_tokens}], got {sizes}")
+        if not isinstance(iters, int) or iters < 1:
+            raise ValueError(f"iters must be a positive int, got {iters!r}")
+        g = torch.Generator().manual_seed(self.rank)
+        x = torch.randn(sizes[-1], self.hidden, generator=g).to(self.device, self.dtype)
+        ids, weights = random_topk(sizes[-1], self.num_experts, self.topk, device=self.device, generator=g)
+
+        def dispatch(tokens: int, mode: str):
+            return lambda: self.dispatch(x[:tokens], ids[:tokens], weights[:tokens], mode=mode)
+
+        times = [[median_us(dispatch(t, mode), iters, before=runtime.barrier) for t in sizes]
+                 for mode in ("decode", "prefill")]
+        slowest = torch.tensor(times, device=self.device if dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        self.protocol.one_launch_tokens = crossover_tokens(sizes, *slowest.tolist())
+        return self.protocol.one_launch_tokens
 
 
 class _ReceiveHook:

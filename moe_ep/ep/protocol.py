@@ -40,6 +40,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def crossover_tokens(sizes, decode_us, prefill_us) -> int:
+    """The `one_launch_tokens` measured timings call for: the largest of `sizes` (token counts) at which the
+    decode tiles took less time than the prefill tiles (decode_us[i], prefill_us[i]: microseconds at
+    sizes[i]), or 0 if they never did."""
+    return max((tokens for tokens, decode, prefill in zip(sizes, decode_us, prefill_us) if decode < prefill),
+               default=0)
+
+
 @dataclass(frozen=True)
 class EPConfig:
     """One MoE layer's shape on one rank, and the options every protocol honours."""
