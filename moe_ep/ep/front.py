@@ -219,9 +219,23 @@ class EPAllToAll(runtime.CommObject):
         if self._in_flight["dispatch"] >= self._slots:
             raise ValueError("two dispatches are already in flight: call the receive hook of the earlier one first")
 
+    def _combine_args_pass(self, expert_out, handle, out) -> bool:
+        """True if every check of _check_combine_args passes, in one expression (as _dispatch_args_pass)."""
+        try:
+            c, device = self.config, self.device
+            return (isinstance(handle, EPHandle) and handle.received and self._dispatches < handle.call + self._slots
+                    and expert_out.dtype == c.dtype and expert_out.shape == c.expert_rows
+                    and expert_out.device == device and expert_out.is_contiguous()
+                    and (out is None or (out.dtype == c.dtype and out.shape == (handle.num_tokens, c.hidden)
+                                         and out.device == device and out.is_contiguous()))
+                    and self._in_flight["combine"] < self._slots)
+        except (AttributeError, TypeError):
+            return False
+
     def _check_combine_args(self, expert_out, handle, out) -> None:
-        rows = self.world * self.max_tokens
-        self._expect("expert_out", expert_out, (self.dtype,), shape=(self.experts_per_rank, rows, self.hidden))
+        if self._combine_args_pass(expert_out, handle, out):
+            return
+        self._expect("expert_out", expert_out, (self.dtype,), shape=self.config.expert_rows)
         if not isinstance(handle, EPHandle) or not handle.received:
             raise ValueError("combine needs the handle of a dispatch whose receive has completed")
         if self._dispatches >= handle.call + self._slots:

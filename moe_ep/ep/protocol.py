@@ -24,6 +24,7 @@ protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,6 +77,12 @@ class EPConfig:
     def groups(self) -> int:
         """FP8 scale groups per row (1 without FP8: the scales buffers are then unused)."""
         return self.hidden // self.fp8_group if self.fp8_group else 1
+
+    @functools.cached_property
+    def expert_rows(self) -> tuple[int, int, int]:
+        """(E_loc, W * T_max, H): the shape of a slot's recv_x and of combine's expert_out (made once: the
+        front compares it on every combine)."""
+        return self.experts_per_rank, self.world * self.max_tokens, self.hidden
 
 
 @dataclass(frozen=True)
