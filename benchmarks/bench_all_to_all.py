@@ -24,7 +24,7 @@ and, in the same process, eager:
 HBM floor: `floor_us` is the time the bytes an op must move through this rank's HBM take at the GPU's
 datasheet peak (moe_ep.routing.hbm_bytes, counted from every rank's routing of the setting: x read, rows
 staged and read back, each hit's row written to its expert; combine: each hit's expert row read, the
-per-rank partial sums staged and read back, y written; timing.floor_us), and `vs_floor` = graph time /
+per-rank partial sums staged and read back, y written; timing.floor_us), and `x_floor` = graph time /
 floor_us (1 would be at the floor). Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16
 rows; each token once per destination rank) over the graph time. `--breakdown` reruns the decode
 settings (up to 512 tokens) with device timestamps and prints, per rank, where a call spends its time.
@@ -298,17 +298,17 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
         out[f"{op}_link_GBps"] = out[f"{op}_link_MB"] * 1e3 / out[f"{op}_graph_us"]
         floor = floor_us(0, out[f"{op}_hbm_MB"] * 1e6)
         if floor is not None:
-            out[f"{op}_floor_us"], out[f"{op}_vs_floor"] = floor, out[f"{op}_graph_us"] / floor
+            out[f"{op}_floor_us"], out[f"{op}_x_floor"] = floor, out[f"{op}_graph_us"] / floor
         if f"nccl_{op}_us" in out:
             out[f"{op}_speedup_vs_nccl"] = out[f"nccl_{op}_us"] / out[f"{op}_eager_us"]
     return out
 
 
-COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_vs_floor", "dispatch_decode_graph_us",
+COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_decode_graph_us",
            "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us",
            "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
            "dispatch_speedup_vs_nccl",
-           "combine_graph_us", "combine_floor_us", "combine_vs_floor", "combine_eager_us", "combine_host_us",
+           "combine_graph_us", "combine_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us",
            "combine_front_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
            "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
 PHASES = ("send", "signal", "wait", "recv")
@@ -390,7 +390,7 @@ def main():
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
-                f"Times in us (rank 0); speedups are NCCL eager over ours eager; vs_floor is graph time over the HBM "
+                f"Times in us (rank 0); speedups are NCCL eager over ours eager; x_floor is graph time over the HBM "
                 f"floor:\n\n{markdown_table(rows, COLUMNS)}\n")
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_all_to_all import crossover_line  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
-EP_COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_vs_floor", "dispatch_eager_us",
+EP_COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_eager_us",
               "dispatch_host_us", "nccl_dispatch_us", "reference_dispatch_us", "combine_graph_us", "combine_floor_us",
-              "combine_vs_floor", "combine_eager_us", "combine_host_us", "nccl_combine_us", "reference_combine_us",
+              "combine_x_floor", "combine_eager_us", "combine_host_us", "nccl_combine_us", "reference_combine_us",
               "dispatch_link_GBps", "combine_link_GBps"]
 PHASES = ("send", "signal", "wait", "recv")
 
@@ -36,7 +36,7 @@ def ep_section(data: dict) -> str:
     text = ("\nMicroseconds per call, rank 0 (graph: a CUDA graph of 10 calls replayed after a barrier, per call; "
             "eager: one call after a barrier; host: CPU time of a call while the GPU is busy; nccl: "
             "all_to_all_single with one host sync; reference: the test oracle; floor: the bytes the op must move "
-            "through HBM at the datasheet peak, vs_floor: graph / floor). Link GB/s: bytes leaving the GPU over "
+            "through HBM at the datasheet peak, x_floor: graph / floor). Link GB/s: bytes leaving the GPU over "
             "the graph time.\n\n" + markdown_table(rows, EP_COLUMNS) + "\n")
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
