@@ -350,8 +350,8 @@ class EPAllToAll(runtime.CommObject):
     def destroy(self) -> None:
         """Free the buffers (collective over every rank). After an elastic loss a peer can no longer take
         part: RuntimeError instead of a hang."""
-        if self.elastic and self._symmetric and len(self.live_ranks()) < self.world:
-            lost = sorted(set(range(self.world)) - set(self.live_ranks()))
+        lost = sorted(set(range(self.world)) - set(self.live_ranks())) if self.elastic and self._symmetric else []
+        if lost:
             raise RuntimeError(f"ranks {lost} are lost: freeing symmetric memory is collective over every rank, so "
                                "the survivors' buffers are released when their processes end")
         super().destroy()
