@@ -11,7 +11,7 @@
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP: ranks killed at 4 ranks, the survivors go on
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
-# engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04
+# engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
 # bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200);
 # bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
@@ -159,7 +159,8 @@ for part in $parts; do
     tutorials) step tutorial01 60 bash launch.sh --nproc "$ranks" tutorials/01-ring-exchange.py
                step tutorial02 90 bash launch.sh --nproc "$ranks" tutorials/02-ep-all-to-all.py
                step tutorial03 120 bash launch.sh --nproc "$ranks" tutorials/03-swap-moe-into-a-model.py
-               step tutorial04 120 bash launch.sh --nproc "$ranks" tutorials/04-async-tp.py ;;
+               step tutorial04 120 bash launch.sh --nproc "$ranks" tutorials/04-async-tp.py
+               step tutorial06 180 bash launch.sh --nproc "$ranks" tutorials/06-elastic-ep.py ;;
     sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py \
               -k sweep ;;
     bench_ep) step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" ;;

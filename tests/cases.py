@@ -49,6 +49,13 @@ def expert_fn(recv_x, recv_scales, group, dtype):
     return (rows * factor[:, None, None]).to(dtype)
 
 
+def on_ranks(ids, ranks, num_experts, world):
+    """[T, K] bool: True where expert ids[t, k] (-1: none) lives on one of `ranks` (rank r holds experts
+    [r * E / W, (r + 1) * E / W)): what an elastic all-to-all that lost `ranks` reports in handle.lost."""
+    return (ids >= 0) & torch.isin(ids.div(num_experts // world, rounding_mode="floor"),
+                                   torch.tensor(sorted(ranks), dtype=torch.long))
+
+
 def expected_dispatch(rank, world, inputs, num_experts, max_tokens, group):
     """Per local expert: list of (payload row, scales row or None, source code) in contract order."""
     experts_per_rank = num_experts // world

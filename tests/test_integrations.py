@@ -1,9 +1,10 @@
 """What the engine integrations rely on, without any engine: combine(..., out=), the shared all-to-alls'
-teardown and the package layout.
+teardown, the elastic ones' live mask and the package layout.
 
 combine writes the caller's tensor when given one (the engines' output), after checking it, and the
 result is the one combine returns without out; destroy_all_to_alls destroys what all_to_all shared, and
-destroy() may be called again; `import moe_ep` pulls in no engine.
+destroy() may be called again; all_to_all builds elastic all-to-alls apart from plain ones, and live_mask
+reads their masks together; `import moe_ep` pulls in no engine.
 """
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from distributed import run
-from moe_ep import EPAllToAll, random_topk
-from moe_ep.integrations import all_to_all, destroy_all_to_alls
+from moe_ep import EPAllToAll, integrations, random_topk
+from moe_ep.integrations import all_to_all, destroy_all_to_alls, elastic_all_to_alls, live_mask
 
 
 def _combine_into_out(rank, world):
@@ -59,6 +60,22 @@ def _shared_all_to_alls_are_destroyed(rank, world):
 
 def test_shared_all_to_alls_are_destroyed():
     run(_shared_all_to_alls_are_destroyed, 2)
+
+
+def test_elastic_all_to_alls_and_their_live_mask(monkeypatch):
+    """all_to_all keys elastic mode apart; elastic_all_to_alls lists the elastic ones (this rank of simulated
+    worlds here); live_mask is 0 where any of them masked a rank, read on the device."""
+    monkeypatch.setattr(integrations, "_ALL_TO_ALLS", {})
+    monkeypatch.setattr(integrations, "EPAllToAll", lambda max_tokens, hidden, num_experts, topk, elastic, **kwargs:
+                        EPAllToAll.simulated(3, max_tokens, hidden, num_experts, topk, elastic=elastic)[0])
+    first = all_to_all(4, 128, 6, 2, torch.bfloat16, True, elastic=True)
+    plain = all_to_all(4, 128, 6, 2, torch.bfloat16, True)
+    second = all_to_all(4, 256, 6, 2, torch.bfloat16, True, elastic=True)
+    assert not plain.elastic and all_to_all(4, 128, 6, 2, torch.bfloat16, True, elastic=True) is first
+    assert elastic_all_to_alls() == [first, second]
+    assert live_mask([first, second]).tolist() == [1, 1, 1]
+    second.mask_ranks([2])
+    assert live_mask([first, second]).tolist() == [1, 1, 0] and first.live_ranks() == [0, 1, 2]
 
 
 def test_import_needs_no_engine():

@@ -3,7 +3,8 @@
 CPU: gloo, 2 and 4 ranks, reference backend, fp32: the swapped model's logits equal the original's
 for every supported family (swap_moe verifies each block on the way, as it does by default); a
 block that does something the layer cannot see is refused; unsupported layouts are refused
-before any forward.
+before any forward. Elastic mode: the layer asks for an elastic all-to-all (which the reference backend
+refuses) and keeps each forward's lost-expert report in `lost`.
 
 GPU: the NVSHMEM backend against the reference backend, bit for bit, on the same bf16 model; and
 the accuracy of the swapped bf16 model measured against the fp32 model, relative to the error
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from cases import on_ranks
 from distributed import gpu_worlds, run
 from moe_ep import AsyncTP, EPAllToAll, EPMoE, random_topk, swap_moe
 from moe_ep.reference import dequantize_fp8, quantize_fp8
@@ -151,6 +153,44 @@ def _bad_options(rank, world):
 
 def test_bad_options_raise():
     run(_bad_options, 2)
+
+
+class ReportsRankOneLost(EPAllToAll):
+    """The reference all-to-all, built where EPMoE asks for an elastic one, whose handles report the experts
+    of rank 1 lost, as an elastic all-to-all's do once it lost rank 1 (what its combine then leaves out is
+    the kernels' part: tests/test_ep_elastic.py)."""
+
+    built_elastic: list[bool] = []
+
+    def __init__(self, *args, elastic=False, **kwargs):
+        self.built_elastic.append(elastic)
+        super().__init__(*args, **kwargs)
+
+    def dispatch(self, x, topk_ids, topk_weights, **kwargs):
+        *received, handle = super().dispatch(x, topk_ids, topk_weights, **kwargs)
+        handle.lost = on_ranks(topk_ids, {1}, self.num_experts, self.world)
+        return (*received, handle)
+
+
+def _elastic(rank, world):
+    from moe_ep.layers import moe
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3, 64, generator=g)
+    ids, weights = random_topk(3, 8, 2, generator=g)
+    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32, fp8_dispatch=False, elastic=True)
+    with pytest.raises(ValueError, match="elastic=True needs backend='nvshmem'"):
+        layer(x, ids, weights)
+    moe.EPAllToAll = ReportsRankOneLost
+    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32, fp8_dispatch=False, elastic=True)
+    with torch.no_grad():
+        layer(x, ids, weights)
+    assert ReportsRankOneLost.built_elastic == [True]
+    assert torch.equal(layer.lost, on_ranks(ids, {1}, 8, world))
+    assert EPMoE(64, 32, 8, 2, backend="reference").lost is None
+
+
+def test_elastic_layer_reports_lost_experts():
+    run(_elastic, 2)
 
 
 def _teardown(rank, world):

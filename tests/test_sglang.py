@@ -16,9 +16,16 @@ moe_ep's plain-torch grouped GEMM: SGLang's runner for that layout (DeepGEMM) ne
 SGLang's MoE modules import torchvision (through sglang.srt.configs), and PyPI's torchvision imports
 only beside PyPI's torch build: run these in an environment with both (``.ci/run`` makes one).
 
+Elastic mode (CPU): under SGLang's elastic EP (--elastic-ep-backend) the factory asks for elastic
+all-to-alls, refuses the reference backend, a process joining a running deployment and room for more
+ranks; a simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
+MoeEpDispatchers, where a rank stops answering: the others' combine completes after one timeout without
+its experts, lost() reports them, SGLang's active_ranks has the rank cleared, later calls wait for nothing.
+
 GPU (marked gpu): the same comparison with the nvshmem backend at 2 ranks in bf16.
 """
 import os
+import time
 import tomllib
 from pathlib import Path
 
@@ -26,12 +33,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cases import moe_layer_inputs
+from cases import expected_combine, expert_fn, make_inputs, moe_layer_inputs, on_ranks
 from distributed import run
 
 pytest.importorskip("sglang.srt.layers.moe.token_dispatcher.deepep")
 
 from sglang.srt.distributed.parallel_state import GroupCoordinator  # noqa: E402
+from sglang.srt.elastic_ep.elastic_ep import ElasticEPState, ElasticEPStateManager  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_native import fused_moe_forward_native  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe_layer  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
@@ -43,6 +51,7 @@ from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend, initialize_mo
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_exec, get_flags, get_parallel  # noqa: E402
 
+from moe_ep.ep import EPAllToAll  # noqa: E402
 from moe_ep.integrations import sglang as moe_ep_sglang  # noqa: E402
 from moe_ep.kernels.grouped_gemm import gated_mlp  # noqa: E402
 
@@ -260,7 +269,16 @@ def _refusals(rank, world):
             _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"dispatcher_output_dtype": "nvfp4"})
         with pytest.raises(ValueError, match="MXFP8"):
             _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"use_mxfp8": True})
+    with get_exec().moe.override(elastic_ep_backend="mooncake"):
+        with pytest.raises(ValueError, match="elastic=True needs backend='nvshmem'"):
+            _hooked_factory(config)
+        assert moe_ep_sglang.make_dispatcher(config, backend="nvshmem").elastic      # built at the first dispatch
+        with get_exec().moe.override(ep_join_mode="recover"), pytest.raises(ValueError, match="running job"):
+            _hooked_factory(config)
+        with get_parallel().override(max_ep_size=4), pytest.raises(ValueError, match="--max-ep-size 4 from 2"):
+            _hooked_factory(config)
     dispatcher = _hooked_factory(config)
+    assert not dispatcher.elastic and dispatcher.live_ranks() == [0, 1]
     x = torch.randn(2, HIDDEN)
     with pytest.raises(ValueError, match="StandardTopKOutput"):
         dispatcher.dispatch(hidden_states=x, topk_output=(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64)))
@@ -291,3 +309,70 @@ def _nvshmem_against_standard(rank, world):
 @pytest.mark.gpu
 def test_nvshmem_dispatcher_matches_sglang_standard_path():
     run(_nvshmem_against_standard, 2, gpu=True)
+
+
+# ------------------------------------------------------------------ elastic mode
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
+SIMULATED = dict(world=3, max_tokens=5, hidden=128, num_experts=12, topk=3)   # a simulated world's shape
+GROUP, TIMEOUT_S = 64, 4.0                     # the FP8 group of its dispatch, the bound of every wait
+
+
+def _round(dispatchers, live, inputs):
+    """One dispatch, toy experts and combine of the ranks in `live` through their dispatchers' halves: every
+    send before any receive (the interpreter runs one program at a time). Returns each rank's tokens [T, H]."""
+    for r in live:
+        x, ids, weights = inputs[r]
+        dispatchers[r].dispatch_a(x, StandardTopKOutput(weights, ids, None))
+    outputs = {r: dispatchers[r].dispatch_b() for r in live}
+    for r in live:
+        out = outputs[r]
+        dispatchers[r].combine_a(DeepEPLLCombineInput(expert_fn(out.hidden_states, out.hidden_states_scale, GROUP,
+                                                                torch.bfloat16), out.topk_ids, out.topk_weights))
+    return {r: dispatchers[r].combine_b() for r in live}
+
+
+def _elastic_dispatchers(rank, world):
+    """Rank 2 of a simulated world makes no call after the first: the others' next combine completes after
+    about one timeout, without its experts (not renormalized), lost() names them and SGLang's active_ranks
+    has rank 2 cleared; the call after that waits for nothing. One process: the world is simulated, SGLang's
+    config published for FP8 dispatch in DeepEP's low-latency mode, its elastic EP state on the CPU."""
+    world, victim, experts = SIMULATED["world"], 2, SIMULATED["num_experts"]
+    get_context().override_server_args(tp_size=world, ep_size=world, moe_a2a_backend="deepep",
+                                       deepep_mode="low_latency", deepep_dispatcher_output_dtype="fp8").install()
+    initialize_moe_config()
+    moe_ep_sglang.check_local_experts = lambda *args: world        # the simulated world's size, not the job's
+    active = torch.ones(world, dtype=torch.int32)
+    ElasticEPStateManager._instance = ElasticEPState(active, active.clone(), active.clone(), effective_ep_size=world)
+    simulated = iter(EPAllToAll.simulated(**SIMULATED, fp8_group=GROUP, timeout_s=TIMEOUT_S, elastic=True))
+    moe_ep_sglang.all_to_all = lambda *args: next(simulated)        # rank r's, at rank r's first dispatch
+    dispatchers = [moe_ep_sglang.MoeEpDispatcher(experts, experts // world, SIMULATED["hidden"], SIMULATED["topk"],
+                                                 torch.bfloat16, max_tokens=SIMULATED["max_tokens"], elastic=True)
+                   for _ in range(world)]
+    assert all(dispatcher.fp8 for dispatcher in dispatchers)
+    survivors = [0, 1]
+    for n in range(3):
+        everyone = [make_inputs(r, [5, 3, 4], SIMULATED["hidden"], experts, SIMULATED["topk"], seed=n, drop=0.2)
+                    for r in range(world)]
+        live = list(range(world)) if n == 0 else survivors
+        lost = set() if n == 0 else {victim}
+        started = time.monotonic()
+        outputs = _round(dispatchers, live, dict(enumerate(everyone)))
+        took = time.monotonic() - started
+        without = [(x, ids.masked_fill(on_ranks(ids, lost, experts, world), -1), weights)
+                   for x, ids, weights in everyone]
+        for r in live:
+            assert torch.equal(outputs[r], expected_combine(r, world, without, experts, GROUP, torch.bfloat16)), (n, r)
+            assert torch.equal(dispatchers[r].lost(), on_ranks(everyone[r][1], lost, experts, world)), (n, r)
+        assert active.tolist() == [int(r not in lost) for r in range(world)], n
+        if n == 1:
+            assert TIMEOUT_S <= took < TIMEOUT_S + 30, took          # one timeout, plus the interpreter's work
+        elif n == 2:
+            assert took < TIMEOUT_S, took
+    assert [dispatchers[r].live_ranks() for r in survivors] == [survivors, survivors]
+
+
+@INTERPRETED
+def test_elastic_dispatcher_goes_on_without_a_lost_rank():
+    run(_elastic_dispatchers, 1)

@@ -17,6 +17,14 @@ on the rank (no all-to-all), within fp32 rounding; the per-expert counts are the
 ranks; apply_router_weight_on_input; zero tokens on a rank; dropped slots (-1).
 The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides. Also what is refused.
 
+Elastic mode (CPU): make_prepare_finalize(..., elastic=True) builds the shared all-to-all elastic; a
+simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
+MoeEpPrepareAndFinalize, where a rank stops answering: the others' finalize completes after one timeout
+without its experts, lost() reports them, later calls wait for nothing. Under --enable-fault-tolerance
+(2 ranks, vLLM's state): the EP group's manager (MoeEpAll2AllManager) answers vLLM's fault-tolerance
+queries from the all-to-alls' masks and refuses a retry after a lost rank; the plugin refuses the reference
+backend there and asks the nvshmem one for elastic all-to-alls; vLLM's fault tolerance accepts the backend.
+
 GPU (marked gpu): the same with the nvshmem backend at 2 ranks (bf16). Where vLLM is installed as .ci/run
 installs it, ``pytest tests/test_vllm.py -m gpu``. A GPU machine without a package index takes the same
 files as a folder on PYTHONPATH: every Python file of the vllm 0.33.0 wheel (its compiled extensions are
@@ -26,11 +34,12 @@ not needed) and, for that machine's Python, the packages .ci/run adds; then
 import contextlib
 import os
 import threading
+import time
 
 import pytest
 import torch
 
-from cases import moe_layer_inputs
+from cases import expected_combine, expert_fn, make_inputs, moe_layer_inputs, on_ranks
 from distributed import run
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")       # vLLM's Python modules without its compiled extensions
@@ -42,9 +51,11 @@ from vllm.model_executor.layers.fused_moe.config import (FUSED_MOE_UNQUANTIZED_C
                                                          FusedMoEParallelConfig, FusedMoEQuantConfig,
                                                          RoutingMethodType)
 from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize  # noqa: E402
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate  # noqa: E402
 from vllm.v1.worker import ubatching  # noqa: E402
 
-from moe_ep.ep import EPHandle  # noqa: E402
+from moe_ep import integrations  # noqa: E402
+from moe_ep.ep import EPAllToAll, EPHandle  # noqa: E402
 from moe_ep.integrations import vllm as moe_ep_vllm  # noqa: E402
 from moe_ep.reference import quantize_fp8  # noqa: E402
 
@@ -230,6 +241,11 @@ assert originals[0] is not FusedMoEParallelConfig.use_batched_activation_format
 assert ParallelConfig(all2all_backend="moe_ep").all2all_backend == "moe_ep"
 assert all2all_utils.maybe_make_prepare_finalize is unquantized.maybe_make_prepare_finalize
 assert all2all_utils.maybe_make_prepare_finalize.__module__ == plugin.__name__
+from types import SimpleNamespace
+from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
+worker = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_size=2,
+                                                         data_parallel_master_ip="", all2all_backend="moe_ep"))
+WorkerSentinel(worker)                  # vLLM's fault tolerance takes the backend
 try:
     ParallelConfig(all2all_backend="no_such_backend")
 except Exception as error:
@@ -505,3 +521,121 @@ def test_nvshmem_layers_vllm_builds():
 @pytest.mark.gpu
 def test_nvshmem_dual_batch_overlap_order():
     run(_dual_batch_overlap, 2, "nvshmem", gpu=True, timeout=300)
+
+
+# ------------------------------------------------------------------ elastic mode
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
+# A simulated world: its shape, the FP8 group of its dispatch, its bound of every wait.
+SIMULATED = dict(world=3, max_tokens=5, hidden=128, num_experts=12, topk=3)
+GROUP, TIMEOUT_S = 64, 4.0
+
+
+def test_make_prepare_finalize_builds_elastic_all_to_alls(monkeypatch):
+    """elastic=True reaches EPAllToAll through the shared all_to_all, apart from the plain one of the shape."""
+    made = []
+    monkeypatch.setattr(integrations, "_ALL_TO_ALLS", {})
+    monkeypatch.setattr(integrations, "EPAllToAll", lambda *args, **kwargs: made.append(kwargs) or len(made))
+    monkeypatch.setattr(moe_ep_vllm, "check_local_experts", lambda *args: 2)
+    elastic = moe_ep_vllm.make_prepare_finalize(moe_config(2, 0, 2), None, elastic=True)
+    plain = moe_ep_vllm.make_prepare_finalize(moe_config(2, 0, 2), None)
+    assert elastic.ep != plain.ep and [kwargs["elastic"] for kwargs in made] == [True, False]
+
+
+def _round(prepare_finalizes, live, inputs):
+    """One prepare, toy experts and finalize of the ranks in `live`: every send before any receive (the
+    interpreter runs one program at a time). Returns each rank's output [T, H]."""
+    received = {r: prepare_finalizes[r].prepare_async(x, weights, ids, SIMULATED["num_experts"], None, False,
+                                                      FUSED_MOE_UNQUANTIZED_CONFIG)
+                for r, (x, ids, weights) in inputs.items() if r in live}
+    for r in live:
+        received[r] = received[r][0]() or received[r][1]()             # the hook, then prepare's tuple
+    outputs, hooks = {}, {}
+    for r in live:
+        x, ids, weights = inputs[r]
+        recv_x, recv_scales = received[r][:2]
+        outputs[r] = torch.empty_like(x)
+        hooks[r], _ = prepare_finalizes[r].finalize_async(outputs[r], expert_fn(recv_x, recv_scales, GROUP, x.dtype),
+                                                          weights, ids, False, TopKWeightAndReduceDelegate())
+    for r in live:
+        hooks[r]()
+    return outputs
+
+
+@INTERPRETED
+def test_elastic_prepare_finalize_goes_on_without_a_lost_rank():
+    """Rank 2 of a simulated world makes no call after the first: the others' next finalize completes after
+    about one timeout, without its experts (not renormalized), lost() names them; the call after that waits
+    for nothing."""
+    world, victim = SIMULATED["world"], 2
+    ranks = EPAllToAll.simulated(**SIMULATED, fp8_group=GROUP, timeout_s=TIMEOUT_S, elastic=True)
+    prepare_finalizes = [moe_ep_vllm.MoeEpPrepareAndFinalize(ep) for ep in ranks]
+    survivors = [0, 1]
+    for n in range(3):
+        everyone = [make_inputs(r, [5, 3, 4], SIMULATED["hidden"], SIMULATED["num_experts"], SIMULATED["topk"],
+                                seed=n, drop=0.2) for r in range(world)]
+        live = list(range(world)) if n == 0 else survivors
+        lost = set() if n == 0 else {victim}
+        started = time.monotonic()
+        outputs = _round(prepare_finalizes, live, dict(enumerate(everyone)))
+        took = time.monotonic() - started
+        without = [(x, ids.masked_fill(on_ranks(ids, lost, SIMULATED["num_experts"], world), -1), weights)
+                   for x, ids, weights in everyone]
+        for r in live:
+            assert torch.equal(outputs[r], expected_combine(r, world, without, SIMULATED["num_experts"], GROUP,
+                                                            torch.bfloat16)), (n, r)
+            assert torch.equal(prepare_finalizes[r].lost(), on_ranks(everyone[r][1], lost, SIMULATED["num_experts"],
+                                                                     world)), (n, r)
+        if n == 1:
+            assert TIMEOUT_S <= took < TIMEOUT_S + 30, took      # one timeout, plus the interpreter's work
+        elif n == 2:
+            assert took < TIMEOUT_S, took
+    assert [prepare_finalizes[r].live_ranks() for r in survivors] == [survivors, survivors]
+
+
+def _fault_tolerance(rank, world):
+    """The EP group's manager under vLLM's state answers vLLM's fault-tolerance queries (vLLM's convention: 1
+    marks a lost rank) from the elastic all-to-alls' masks, and refuses a retry once a rank is lost; the
+    plugin under --enable-fault-tolerance refuses the reference backend and asks the nvshmem one for
+    elastic all-to-alls."""
+    from vllm.distributed import get_ep_group
+    with vllm_state(rank, world, "reference") as config:
+        manager = moe_ep_vllm.MoeEpAll2AllManager(get_ep_group().cpu_group)
+        assert manager.support_fault_tolerance and manager.query_active_mask().tolist() == [0, 0]
+        assert not manager.query_fault()
+        manager.clean_buffers()                                      # nothing lost: nothing to refuse
+
+        shapes = [EPAllToAll.simulated(world, 4, hidden, 8, 2, fp8_group=GROUP, elastic=True)[rank]
+                  for hidden in (128, 256)]                          # this rank of two layer shapes
+        moe_ep_vllm.elastic_all_to_alls = lambda: shapes
+        shapes[1].mask_ranks([1 - rank])
+        assert manager.query_active_mask().tolist() == [int(r != rank) for r in range(world)]
+        assert manager.query_fault()
+        with pytest.raises(RuntimeError, match=rf"moe_ep lost EP ranks \[{1 - rank}\] for good"):
+            manager.clean_buffers()
+
+        object.__setattr__(config.parallel_config, "enable_fault_tolerance", True)
+        with pytest.raises(ValueError, match="--enable-fault-tolerance needs moe_ep's elastic all-to-all"):
+            build_layer(world, rank, 128, False, torch.float32, "cpu", "fault tolerance")
+        os.environ[moe_ep_vllm.BACKEND_VARIABLE] = "nvshmem"
+        moe_ep_vllm.make_prepare_finalize = _stop_asked
+        with pytest.raises(Asked) as asked:
+            build_layer(world, rank, 128, False, torch.float32, "cpu", "fault tolerance nvshmem")
+        assert asked.value.options["elastic"] and asked.value.options["backend"] == "nvshmem"
+
+
+class Asked(Exception):
+    """Stops building a layer where the plugin asks for its prepare/finalize (with `options`)."""
+
+    def __init__(self, options: dict):
+        super().__init__(options)
+        self.options = options
+
+
+def _stop_asked(*args, **options):
+    raise Asked(options)
+
+
+def test_fault_tolerance():
+    run(_fault_tolerance, 2)

@@ -6,7 +6,9 @@
 
 ``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
 ``all_to_all``, the EPAllToAll of one layer shape, made once per process (``destroy_all_to_alls`` frees
-them all at the end of a job), and ``check_local_experts``.
+them all at the end of a job), ``check_local_experts``, and for elastic mode ``elastic_all_to_alls`` and
+``live_mask``: the ranks the elastic all-to-alls count live, read on the device, where an engine keeps its
+own mask of live ranks.
 """
 from __future__ import annotations
 
@@ -21,15 +23,33 @@ _ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
 
 
 def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
-               group=None, backend: str = "nvshmem", device: torch.device | None = None) -> EPAllToAll:
-    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`) for tensors
-    on `device` (None: EPAllToAll's default), made on first use (collective then) and shared after: an
-    engine's MoE layers of one shape share one."""
-    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend, device)
+               group=None, backend: str = "nvshmem", device: torch.device | None = None,
+               elastic: bool = False) -> EPAllToAll:
+    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`; elastic mode
+    when `elastic`) for tensors on `device` (None: EPAllToAll's default), made on first use (collective
+    then) and shared after: an engine's MoE layers of one shape share one."""
+    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend, device, elastic)
     if key not in _ALL_TO_ALLS:
         _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
-                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend, device=device)
+                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend, device=device,
+                                       elastic=elastic)
     return _ALL_TO_ALLS[key]
+
+
+def elastic_all_to_alls() -> list[EPAllToAll]:
+    """The elastic EPAllToAlls all_to_all has made in this process (one per layer shape), oldest first."""
+    return [ep for ep in _ALL_TO_ALLS.values() if ep.elastic]
+
+
+def live_mask(all_to_alls: list[EPAllToAll]) -> torch.Tensor:
+    """int32 [W] on their device: 1 for each rank every one of the elastic `all_to_alls` (at least one, all
+    of one group) counts live, 0 where one of them lost or masked it. Read on the device, in stream order:
+    no sync, so a CUDA graph can hold it (EPAllToAll.live_ranks reads the same words on the host). Each
+    all-to-all finds a lost rank at its own first call after the loss (one timeout each)."""
+    mask = all_to_alls[0].protocol.live          # the protocol's live mask (EPAllToAll keeps no other copy)
+    for ep in all_to_alls[1:]:
+        mask = mask * ep.protocol.live
+    return mask
 
 
 def destroy_all_to_alls() -> None:

@@ -30,6 +30,22 @@ normal or auto), single-batch overlap, fused shared experts, experts not spread 
 top-k or hidden sizes EPAllToAll refuses, and dispatch dtypes other than bf16 and FP8 in 128-wide
 blocks with fp32 scales (int8, NVFP4, MXFP4, MXFP8, UE8M0 scales).
 
+Elastic mode (EPAllToAll's ``elastic=True``: a rank that stops answering is masked and the others' calls
+complete without its experts) follows SGLang's elastic EP (``--elastic-ep-backend``): SGLang keeps the
+ranks it counts active in ElasticEPStateManager's ``active_ranks`` (int32 on the device, 1 = active),
+which its elastic dispatchers clear where a rank times out; after a forward in which that mask changed,
+it re-places the experts on the active ranks (EPLB, with --enable-eplb and its elasticity-aware
+algorithm) and runs the forward again. Under that option make_dispatcher builds the all-to-all elastic
+(nvshmem backend only), and after every combine the dispatcher clears in ``active_ranks`` the ranks the
+all-to-all lost, on the device (no sync; CUDA graphs keep it). What SGLang's elastic EP does beyond that
+is refused: a process joining a running deployment (--elastic-ep-join-mode: recovering a lost rank, or
+scaling up) and room for more ranks than the group has (--max-ep-size), since NVSHMEM's ranks are fixed
+when the first all-to-all is built. The dispatcher also offers ``live_ranks()``, ``mask_ranks(ranks)``
+and ``lost(tbo_subbatch_index)``, each sub-batch's [T, K] report of the experts its last combine went
+without: SGLang has no place for it (the forward it runs again, once the experts are re-placed, has none
+lost); an engine wrapper reads it there. ``MoeEpDispatcher(..., elastic=True)`` outside SGLang's elastic
+EP builds the same all-to-all and leaves SGLang's state alone.
+
 Written against SGLang 0.5.23 (SGLANG_VERSION); PATCH_POINTS names every engine function the plugin hooks.
 """
 from __future__ import annotations
@@ -37,6 +53,8 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.layers import deep_gemm_wrapper
@@ -46,10 +64,10 @@ from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput, 
 from sglang.srt.layers.moe.topk import TopKOutput, TopKOutputChecker
 from sglang.srt.layers.moe.utils import (DeepEPMode, DispatcherOutputDtype, get_deepep_mode,
                                          get_deepep_output_dtype, get_moe_a2a_backend, is_sbo_enabled)
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_exec, get_parallel
 
-from ..ep import EPAllToAll, check_config
-from . import FP8_BLOCK, all_to_all, check_local_experts
+from ..ep import EPAllToAll, EPHandle, check_config
+from . import FP8_BLOCK, all_to_all, check_local_experts, live_mask
 
 SGLANG_VERSION = "0.5.23"
 ENABLE_VARIABLE = "MOE_EP_SGLANG"  # an EPAllToAll backend: DeepEP's dispatchers become MoeEpDispatchers on it
@@ -74,10 +92,27 @@ def make_dispatcher(config: MoeRunnerConfig, group=None, backend: str = "nvshmem
         raise ValueError(f"moe_ep routes to the {config.num_experts} routed experts only; this layer fuses "
                          f"{config.num_fused_shared_experts} shared experts into them: run with "
                          "--disable-shared-experts-fusion")
+    elastic = get_exec().moe.elastic_ep_backend is not None
+    if elastic:
+        _check_elastic_ep(group)
     return MoeEpDispatcher(config.num_experts, config.num_local_experts, config.hidden_size, config.top_k,
                            config.params_dtype, group=group,
                            max_tokens=envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get(),
-                           runner_backend=config.runner_backend, backend=backend)
+                           runner_backend=config.runner_backend, backend=backend, elastic=elastic)
+
+
+def _check_elastic_ep(group=None) -> None:
+    """ValueError for what SGLang's published elastic EP settings ask and moe_ep cannot honour: this process
+    joining a running deployment, or room for more ranks than `group` has. NVSHMEM's ranks are fixed when
+    the first all-to-all is built: a lost rank is masked for good, and no rank joins later."""
+    join = get_exec().moe.ep_join_mode
+    if join is not None:
+        raise ValueError(f"moe_ep cannot take a rank into a running job (--elastic-ep-join-mode {join}): NVSHMEM's "
+                         "ranks are fixed when the first all-to-all is built; restart the deployment instead")
+    capacity, world = get_parallel().max_ep_size, dist.get_world_size(group)
+    if capacity is not None and capacity > world:
+        raise ValueError(f"moe_ep cannot scale up to --max-ep-size {capacity} from {world} ranks: NVSHMEM's ranks "
+                         "are fixed when the first all-to-all is built")
 
 
 class MoeEpDispatcher(BaseDispatcher):
@@ -91,21 +126,27 @@ class MoeEpDispatcher(BaseDispatcher):
     -> [T, H] layer dtype. The halves: dispatch_a sends, dispatch_b receives and returns the output;
     combine_a sends, combine_b receives and returns the tokens; per sub-batch, in that order. A
     dispatch's outputs stay valid until the dispatch after next (two sub-batches in flight).
+    elastic: build the all-to-all elastic (nvshmem backend only): combine's sum leaves out the experts of
+    lost ranks, without renormalizing; lost() says which, and SGLang's elastic EP state, where there is
+    one, learns which ranks were lost.
     """
 
     dispatch_mode = DeepEPMode.LOW_LATENCY      # what get_deepep_output_dtype reads for mode-specific dtypes
 
     def __init__(self, num_experts: int, num_local_experts: int, hidden_size: int, top_k: int,
                  params_dtype: torch.dtype, group=None, max_tokens: int = 128, runner_backend=None,
-                 backend: str = "nvshmem"):
+                 backend: str = "nvshmem", elastic: bool = False):
         super().__init__()
         self.runner_backend = runner_backend
         self.world = check_local_experts(num_experts, num_local_experts, group)
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden_size, num_experts, top_k
-        self.dtype, self.group, self.backend = params_dtype, group, backend
+        self.dtype, self.group, self.backend, self.elastic = params_dtype, group, backend, elastic
         self.fp8 = self._dispatch_fp8()
         self._ep: EPAllToAll | None = None
         self._stages: dict[int, tuple[str, tuple]] = {}   # sub-batch -> (stage, what the next half needs)
+        self._handles: dict[int, EPHandle] = {}           # sub-batch -> the handle of its last dispatch
+        self._members: torch.Tensor | None = None         # the group's global ranks (its rows of active_ranks),
+                                                          # made with the all-to-all, outside any CUDA graph
 
     # ------------------------------------------------------------------------------------ configuration
 
@@ -130,7 +171,7 @@ class MoeEpDispatcher(BaseDispatcher):
             raise ValueError("DeepGEMM here takes UE8M0 (power-of-two) activation scales; moe_ep dispatches "
                              "fp32 scales: run with --deepep-dispatcher-output-dtype bf16")
         check_config(self.max_tokens, self.hidden, self.num_experts, self.topk, self.world, self.dtype, fp8,
-                     FP8_BLOCK, self.backend)
+                     FP8_BLOCK, self.backend, elastic=self.elastic)
         return fp8
 
     def all_to_all(self, device: torch.device) -> EPAllToAll:
@@ -138,7 +179,9 @@ class MoeEpDispatcher(BaseDispatcher):
         shape (collective when the first of them dispatches)."""
         if self._ep is None or self._ep.device != device:
             self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype, self.fp8,
-                                  self.group, self.backend, device)
+                                  self.group, self.backend, device, self.elastic)
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
+            self._members = torch.tensor(list(ranks), device=device)
         return self._ep
 
     def _take(self, half: str, subbatch: int | None, expected: str) -> tuple:
@@ -178,6 +221,7 @@ class MoeEpDispatcher(BaseDispatcher):
         recv_x, recv_scales, recv_count, handle, hook, topk_ids, topk_weights, expected_m = self._take(
             "dispatch_b", tbo_subbatch_index, "dispatching")
         hook()
+        self._handles[tbo_subbatch_index or 0] = handle
         self._put(tbo_subbatch_index, "dispatched", (handle, topk_ids, topk_weights))
         get_global_expert_distribution_recorder().on_deepep_dispatch_low_latency(recv_count)
         return DeepEPLLDispatchOutput(recv_x, recv_scales, topk_ids, topk_weights, recv_count, expected_m)
@@ -208,7 +252,37 @@ class MoeEpDispatcher(BaseDispatcher):
         y, hook = self._take("combine_b", tbo_subbatch_index, "combining")
         hook()
         self._put(tbo_subbatch_index, "idle")
+        state = ElasticEPStateManager.instance()
+        if self.elastic and state is not None:
+            self._clear_lost_ranks(state.active_ranks)
         return y
+
+    # ------------------------------------------------------------------------------------ elastic
+
+    def _clear_lost_ranks(self, active_ranks: torch.Tensor) -> None:
+        """Clear in SGLang's active_ranks (int32 [at least the job's ranks], 1 = active, by global rank) the
+        ranks of this group the all-to-all lost or masked, on the device."""
+        active_ranks[self._members] = active_ranks[self._members] * live_mask([self._ep])
+
+    def live_ranks(self) -> list[int]:
+        """The ranks of the group the all-to-all counts live (a sync: EPAllToAll.live_ranks); every rank
+        before the first dispatch, which builds it."""
+        return list(range(self.world)) if self._ep is None else self._ep.live_ranks()
+
+    def mask_ranks(self, ranks) -> None:
+        """Count `ranks` (of the group) dead in this layer shape's all-to-all from its next call on (elastic;
+        collective over the survivors, between the same two calls: EPAllToAll.mask_ranks)."""
+        if self._ep is None:
+            raise ValueError("mask_ranks needs the all-to-all, which the first dispatch builds")
+        self._ep.mask_ranks(ranks)
+
+    def lost(self, tbo_subbatch_index: int | None = None) -> torch.Tensor | None:
+        """[T, K] bool of the sub-batch's last dispatch: True where expert k of token t was on a rank its
+        combine went without, whose contribution is missing from the tokens combine_b returned. Valid once
+        that combine_b ran, until the all-to-all's dispatch after next (the layers of one shape share it:
+        read it before the next layer's dispatch). None unless elastic, or before any dispatch."""
+        handle = self._handles.get(tbo_subbatch_index or 0)
+        return None if handle is None else handle.lost
 
 
 # ------------------------------------------------------------------------------------ the plugin

@@ -29,16 +29,31 @@ activation quantization other than 128-wide FP8 blocks, monolithic experts, an u
 other than the layer's, and apply_router_weight_on_input with top-k > 1; finalize refuses router weights
 other than those its prepare sent (the combine applies those on the experts' ranks).
 
+Elastic mode (EPAllToAll's ``elastic=True``: a rank that stops answering is masked and the others' calls
+complete without its experts): ``make_prepare_finalize(..., elastic=True)`` builds the all-to-all so, and
+the prepare/finalize offers ``live_ranks()``, ``mask_ranks(ranks)`` and ``lost(micro_batch)``, each
+micro-batch's [T, K] report of the experts its last finalize went without. vLLM's modular kernel has no
+place for that report: an engine wrapper reads it there. vLLM's place for a rank mask is its fault
+tolerance (``--enable-fault-tolerance``): the EP group's all2all manager answers ``query_active_mask`` and
+``query_fault``, which the model runner polls with each step's output (under async scheduling); on a
+fault vLLM aborts the running requests and waits for a ``retry``. With that option the plugin builds every layer's all-to-all elastic
+(nvshmem backend only), makes its manager a MoeEpAll2AllManager, which answers those queries from the
+all-to-alls' live masks, and adds moe_ep to the backends vLLM's fault tolerance accepts. A retry after a
+lost rank is refused (clean_buffers raises): vLLM's retry resumes with every rank, and NVSHMEM cannot take
+a rank back into the job it started with.
+
 Written against vLLM 0.33.0 (VLLM_VERSION); PATCH_POINTS names every engine attribute the plugin replaces.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
@@ -46,7 +61,7 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_h
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import gated_mlp
-from . import FP8_BLOCK, all_to_all, check_local_experts
+from . import FP8_BLOCK, all_to_all, check_local_experts, elastic_all_to_alls, live_mask
 
 VLLM_VERSION = "0.33.0"
 BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
@@ -62,6 +77,7 @@ PATCH_POINTS = {
     "batched format": (f"{_FUSED_MOE}.config:FusedMoEParallelConfig.use_batched_activation_format", "0.33.0"),
     "hidden size": (f"{_FUSED_MOE}.all2all_utils:maybe_roundup_layer_hidden_size", "0.33.0"),
     "prepare/finalize": (f"{_FUSED_MOE}.all2all_utils:maybe_make_prepare_finalize", "0.33.0"),
+    "fault-tolerant backends": ("vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET", "0.33.0"),
 }
 # The modules that import maybe_make_prepare_finalize by name (in vLLM 0.33.0): their copy is replaced too.
 PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
@@ -84,11 +100,12 @@ def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
 def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig | None,
                           routing_tables=None, group=None, backend: str = "nvshmem",
                           placement: str = "linear", input_dtype: torch.dtype | None = None,
-                          use_monolithic: bool = False) -> MoeEpPrepareAndFinalize:
+                          use_monolithic: bool = False, elastic: bool = False) -> MoeEpPrepareAndFinalize:
     """The prepare/finalize of one vLLM MoE layer over the EPAllToAll of its shape on `group` (the
-    engine's EP group). input_dtype (vLLM's factory argument: the all-to-all carries unquantized
-    activations of that dtype, the experts quantize) must be the layer's dtype. routing_tables (EPLB's
-    physical/logical maps), a placement other than "linear" and monolithic experts are refused."""
+    engine's EP group), elastic when `elastic` (nvshmem backend only). input_dtype (vLLM's factory
+    argument: the all-to-all carries unquantized activations of that dtype, the experts quantize) must be
+    the layer's dtype. routing_tables (EPLB's physical/logical maps), a placement other than "linear" and
+    monolithic experts are refused."""
     parallel = moe.moe_parallel_config
     if routing_tables is not None or parallel.enable_eplb:
         raise ValueError("moe_ep does not support EPLB (expert load balancing): rank r holds experts "
@@ -105,7 +122,7 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
     check_local_experts(moe.num_experts, moe.num_local_experts, group)
     fp8 = input_dtype is None and wants_fp8_dispatch(quant_config)
     ep = all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token, moe.in_dtype,
-                    fp8, group, backend)
+                    fp8, group, backend, elastic=elastic)
     return MoeEpPrepareAndFinalize(ep)
 
 
@@ -117,6 +134,8 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     finalize: the experts' output [E_loc, W * T_max, H] -> output [T, H], written in place: the sum over
     k of topk_weights[t, k] times the row of (t, k), in fp32. The dispatch outputs stay valid until the
     dispatch after next, so both micro-batches' can be in use at once.
+    Over an elastic EPAllToAll the sum leaves out the experts of lost ranks, without renormalizing: lost()
+    says which, live_ranks() and mask_ranks() are the all-to-all's.
     """
 
     def __init__(self, ep: EPAllToAll):
@@ -144,6 +163,23 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def supports_async(self) -> bool:
         return True
+
+    def live_ranks(self) -> list[int]:
+        """The ranks the all-to-all counts live (a sync: EPAllToAll.live_ranks)."""
+        return self.ep.live_ranks()
+
+    def mask_ranks(self, ranks) -> None:
+        """Count `ranks` dead in this layer shape's all-to-all from its next call on (elastic; collective over
+        the survivors, between the same two calls: EPAllToAll.mask_ranks)."""
+        self.ep.mask_ranks(ranks)
+
+    def lost(self, micro_batch: int = 0) -> torch.Tensor | None:
+        """[T, K] bool of `micro_batch`'s last prepare: True where expert k of token t was on a rank its
+        finalize went without, whose contribution is missing from the output. Valid once that finalize's
+        hook ran, until the all-to-all's dispatch after next (the layers of one shape share it: read it
+        before the next layer's prepare). None unless elastic, or before any prepare."""
+        handle = self.handles[micro_batch]
+        return None if handle is None else handle.lost
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
         if self.ep.fp8_group and fused_experts.supports_packed_ue8m0_act_scales():
@@ -290,6 +326,7 @@ def register() -> None:
     _wrap_batched_format()
     _wrap_hidden_size()
     _wrap_prepare_finalize_factory()
+    _accept_fault_tolerance()
 
 
 def _backend_names(config_class) -> tuple[str, ...]:
@@ -310,7 +347,8 @@ def _accept_backend_name(config_class) -> None:
 
 def _wrap_communicator() -> None:
     """CudaCommunicator builds an all-to-all manager per backend name and refuses unknown names: for
-    moe_ep it builds the all-gather/reduce-scatter one (used outside the MoE layers), then records moe_ep."""
+    moe_ep it builds the all-gather/reduce-scatter one (used outside the MoE layers), then records moe_ep;
+    under --enable-fault-tolerance the manager is a MoeEpAll2AllManager."""
     from vllm.distributed.device_communicators import cuda_communicator
     original = cuda_communicator.CudaCommunicator.__init__
 
@@ -325,6 +363,9 @@ def _wrap_communicator() -> None:
         finally:
             object.__setattr__(parallel, "all2all_backend", BACKEND_NAME)
         self.all2all_backend = BACKEND_NAME
+        if self.all2all_manager is not None and parallel.enable_fault_tolerance:
+            arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+            self.all2all_manager = MoeEpAll2AllManager(self.cpu_group, arguments.get("tcp_store_group"))
     cuda_communicator.CudaCommunicator.__init__ = __init__
 
 
@@ -359,7 +400,8 @@ def _wrap_hidden_size() -> None:
 
 def _wrap_prepare_finalize_factory() -> None:
     """maybe_make_prepare_finalize returns MoeEpPrepareAndFinalize for moe_ep layers that run expert
-    parallel all-to-all, on vLLM's EP group; other layers and backends go to vLLM's own."""
+    parallel all-to-all, on vLLM's EP group, elastic under --enable-fault-tolerance; other layers and
+    backends go to vLLM's own."""
     from vllm.model_executor.layers.fused_moe import all2all_utils
     original = all2all_utils.maybe_make_prepare_finalize
 
@@ -370,11 +412,55 @@ def _wrap_prepare_finalize_factory() -> None:
                             all2all_manager, input_dtype)
         from vllm.config import get_current_vllm_config
         from vllm.distributed import get_ep_group
-        placement = get_current_vllm_config().parallel_config.expert_placement_strategy
+        parallel = get_current_vllm_config().parallel_config
+        backend = os.environ.get(BACKEND_VARIABLE, "nvshmem")
+        if parallel.enable_fault_tolerance and backend != "nvshmem":
+            raise ValueError(f"--enable-fault-tolerance needs moe_ep's elastic all-to-all, which only the nvshmem "
+                             f"backend has; {BACKEND_VARIABLE} names {backend!r}")
         return make_prepare_finalize(moe, quant_config, routing_tables, group=get_ep_group().device_group,
-                                     backend=os.environ.get(BACKEND_VARIABLE, "nvshmem"), placement=placement,
-                                     input_dtype=input_dtype, use_monolithic=use_monolithic)
+                                     backend=backend, placement=parallel.expert_placement_strategy,
+                                     input_dtype=input_dtype, use_monolithic=use_monolithic,
+                                     elastic=parallel.enable_fault_tolerance)
     for name in (all2all_utils.__name__, *PREPARE_FINALIZE_USERS):
         module = importlib.import_module(name)
         if getattr(module, "maybe_make_prepare_finalize", None) is original:
             module.maybe_make_prepare_finalize = maybe_make_prepare_finalize
+
+
+def _accept_fault_tolerance() -> None:
+    """vLLM's fault tolerance refuses all2all backends outside FT_BACKEND_SET (those whose kernels mask a
+    rank that times out): moe_ep's elastic all-to-alls do, so the set takes BACKEND_NAME."""
+    from vllm.v1.worker.sentinel import gpu_worker_sentinel
+    gpu_worker_sentinel.FT_BACKEND_SET = gpu_worker_sentinel.FT_BACKEND_SET | {BACKEND_NAME}
+
+
+class MoeEpAll2AllManager(AgRsAll2AllManager):
+    """The EP group's all2all manager under --enable-fault-tolerance: vLLM's all-gather/reduce-scatter one
+    (used outside the MoE layers), answering vLLM's fault-tolerance queries from the live masks of the
+    elastic all-to-alls the plugin built in this process."""
+
+    def __init__(self, cpu_group, tcp_store_group=None):
+        super().__init__(cpu_group, tcp_store_group)
+        self.support_fault_tolerance = True
+
+    def query_active_mask(self) -> torch.Tensor:
+        """int32 [W], vLLM's convention: 1 for each rank some elastic all-to-all lost or masked, 0 for the
+        others (on their device, no sync; all 0, on the CPU, before the first one is built)."""
+        built = elastic_all_to_alls()
+        if not built:
+            return torch.zeros(self.world_size, dtype=torch.int32)
+        return 1 - live_mask(built)
+
+    def query_fault(self) -> torch.Tensor:
+        """bool scalar: True once a rank is lost (a mask moe_ep never clears, so the baseline is every rank)."""
+        return self.query_active_mask().any()
+
+    def clean_buffers(self) -> None:
+        """vLLM's retry, after a fault: nothing to clean between calls while every rank is live; after a lost
+        rank, RuntimeError (the retry resumes with every rank, which moe_ep cannot)."""
+        built = elastic_all_to_alls()
+        lost = [r for r, alive in enumerate(live_mask(built).tolist()) if not alive] if built else []
+        if lost:
+            raise RuntimeError(f"moe_ep lost EP ranks {lost} for good: NVSHMEM cannot take a rank back into the "
+                               "job it started with, so the all-to-alls cannot resume with every rank as vLLM's "
+                               "retry asks; restart the deployment")

@@ -11,6 +11,15 @@ second writes the capacity layout combine reads. FP8 rows are dequantized as the
 or, with fp8_experts=True, multiplied as they are by FP8 weights on FP8 tensor cores (and
 act(gate) * up is quantized for the second GEMM's).
 
+With ``elastic=True`` (nvshmem backend only) the layer's all-to-all goes on without a rank that stops
+answering (EPAllToAll's elastic mode). What y then means, per token t:
+
+    y[t] = sum over k with not lost[t, k] of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])   (+ shared experts)
+
+the lost experts' terms left out, the other weights not scaled up to make up for them. ``layer.lost``
+[T, K] says which experts each token lost; renormalizing by the weights left, routing again or dropping
+the token is the caller's choice, and the layer makes none of them.
+
 ``moe_ep.integrations.transformers`` builds these layers from a transformers model's MoE blocks.
 """
 from __future__ import annotations
@@ -43,13 +52,17 @@ class EPMoE(nn.Module):
             again after changing them), FP8 rows from dispatch are used as they come, the
             intermediate is quantized per 128 columns as the second GEMM loads it. H and I must be
             multiples of 128.
+        elastic: passed to EPAllToAll (nvshmem backend only; the reference backend refuses it at the first
+            forward): the layer goes on without lost ranks, y leaves out their experts without
+            renormalizing (see the module's docstring), and after each forward ``lost`` is its [T, K] bool
+            report over the flattened tokens, valid until the forward after next (None unless elastic).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, group=None,
                  activation="silu", router: nn.Module | None = None, shared_experts: nn.Module | None = None,
                  routed_scaling_factor: float = 1.0,
                  max_tokens: int = 4096, fp8_dispatch: bool = True, fp8_group: int = 128, backend: str = "nvshmem",
-                 fp8_experts: bool = False,
+                 fp8_experts: bool = False, elastic: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         world = dist.get_world_size(group)
@@ -64,7 +77,8 @@ class EPMoE(nn.Module):
         if num_experts % world:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the world size {world}")
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
-        self.group, self.max_tokens, self.backend = group, max_tokens, backend
+        self.group, self.max_tokens, self.backend, self.elastic = group, max_tokens, backend, elastic
+        self.lost: torch.Tensor | None = None      # elastic: the last forward's [T, K] lost-expert report
         if fp8_experts and (hidden % WEIGHT_BLOCK.value or intermediate % WEIGHT_BLOCK.value):
             raise ValueError(f"fp8_experts needs hidden and intermediate multiples of {WEIGHT_BLOCK.value}, "
                              f"got {hidden} and {intermediate}")
@@ -101,6 +115,7 @@ class EPMoE(nn.Module):
         # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
         y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts), handle,
                        out=torch.empty_like(tokens))
+        self.lost = handle.lost
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return y
@@ -152,7 +167,8 @@ class EPMoE(nn.Module):
         if self._all_to_all is None or (self.backend == "reference" and self._all_to_all.device != device):
             self._all_to_all = EPAllToAll(self.max_tokens, self.hidden, self.num_experts, self.topk, group=self.group,
                                           dtype=self.gate_up_proj.dtype, fp8_dispatch=self.fp8_dispatch,
-                                          fp8_group=self.fp8_group, backend=self.backend, device=device)
+                                          fp8_group=self.fp8_group, backend=self.backend, device=device,
+                                          elastic=self.elastic)
         return self._all_to_all
 
 
