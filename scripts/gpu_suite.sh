@@ -160,7 +160,7 @@ for part in $parts; do
                step tutorial02 90 bash launch.sh --nproc "$ranks" tutorials/02-ep-all-to-all.py
                step tutorial03 120 bash launch.sh --nproc "$ranks" tutorials/03-swap-moe-into-a-model.py
                step tutorial04 120 bash launch.sh --nproc "$ranks" tutorials/04-async-tp.py
-               step tutorial06 180 bash launch.sh --nproc "$ranks" tutorials/06-elastic-ep.py ;;
+               step tutorial06 180 bash launch.sh --nproc 4 tutorials/06-elastic-ep.py ;;
     sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py \
               -k sweep ;;
     bench_ep) step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" ;;

@@ -136,6 +136,7 @@ def test_mask_ranks_on_purpose():
         for r in live:
             check(r, world, EXPERTS, max_tokens, outs[r], combined[r], inputs, senders, {1} if n else set())
     assert [ranks[r].live_ranks() for r in range(world)] == [survivors, [0, 1, 2], survivors]
+    assert ranks[0].live_mask.tolist() == [1, 0, 1]
 
 
 def test_elastic_arguments_are_checked():
@@ -149,6 +150,8 @@ def test_elastic_arguments_are_checked():
     assert plain.live_ranks() == [0, 1]
     with pytest.raises(ValueError, match="needs EPAllToAll"):
         plain.mask_ranks([1])
+    with pytest.raises(ValueError, match="needs EPAllToAll"):
+        plain.live_mask
     ep = EPAllToAll.simulated(3, 4, HIDDEN, EXPERTS, TOPK, elastic=True)[0]
     for bad, message in (([0], "cannot mask itself"), ([3], "ints in"), (["1"], "ints in")):
         with pytest.raises(ValueError, match=message):

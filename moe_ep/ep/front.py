@@ -347,6 +347,15 @@ class EPAllToAll(runtime.CommObject):
         device's mask after the work queued so far (a sync)."""
         return self.protocol.live_ranks()
 
+    @property
+    def live_mask(self) -> torch.Tensor:
+        """int32 [W] on the device (``elastic=True``): 1 for each rank this one counts live, 0 once lost or
+        masked. The kernels' own mask: read it in stream order (no sync, so a CUDA graph can hold the read),
+        never write it (``mask_ranks`` does)."""
+        if not self.elastic:
+            raise ValueError("live_mask needs EPAllToAll(..., elastic=True)")
+        return self.protocol.live
+
     def destroy(self) -> None:
         """Free the buffers (collective over every rank). After an elastic loss a peer can no longer take
         part: RuntimeError instead of a hang."""

@@ -46,9 +46,9 @@ def live_mask(all_to_alls: list[EPAllToAll]) -> torch.Tensor:
     of one group) counts live, 0 where one of them lost or masked it. Read on the device, in stream order:
     no sync, so a CUDA graph can hold it (EPAllToAll.live_ranks reads the same words on the host). Each
     all-to-all finds a lost rank at its own first call after the loss (one timeout each)."""
-    mask = all_to_alls[0].protocol.live          # the protocol's live mask (EPAllToAll keeps no other copy)
+    mask = all_to_alls[0].live_mask
     for ep in all_to_alls[1:]:
-        mask = mask * ep.protocol.live
+        mask = mask * ep.live_mask
     return mask
 
 
