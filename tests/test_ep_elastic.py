@@ -20,13 +20,14 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from distributed import GPUS, die, run
-from moe_ep import EPAllToAll
+from moe_ep import EPAllToAll, runtime
 from moe_ep.runtime import CommTimeoutError
 
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -164,7 +165,7 @@ def test_elastic_arguments_are_checked():
 GPU_WORLD = 4 if GPUS in (1, 4) or GPUS > 4 else GPUS    # on one GPU: shared-GPU mode (MPS) at 4 ranks
 POINTS = ("before dispatch", "between dispatch and combine", "after send" if GPUS == 1 else "mid kernel")
 AFTER = 100                                            # calls checked after each death
-GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, GPU_TIMEOUT_S = 16, 512, 16, 4, 2.0
+GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, GPU_TIMEOUT_S = 16, 512, 16, 4, 3.0
 
 
 def deaths(world):
@@ -173,8 +174,19 @@ def deaths(world):
 
 
 def _elastic(rank, world, graphed, folder):
-    ep = EPAllToAll(GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, fp8_group=GROUP, timeout_s=GPU_TIMEOUT_S,
-                    elastic=True)
+    """The calls of the schedule, timed; their results kept on the host and checked after the last call, so
+    that no rank falls timeout_s behind the others between two calls (a peer would count it dead)."""
+    shape = dict(max_tokens=GPU_TOKENS, hidden=GPU_HIDDEN, num_experts=GPU_EXPERTS, topk=GPU_TOPK, fp8_group=GROUP,
+                 elastic=True)
+    warm = EPAllToAll(**shape, timeout_s=60.0)       # compiles both tile sets (compile times differ by rank)
+    for mode in ("decode", "prefill"):
+        x, ids, weights = make_inputs(rank, [GPU_TOKENS] * world, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=0,
+                                      device="cuda")
+        *out, hook = warm.dispatch(x, ids, weights, return_recv_hook=True, mode=mode)
+        hook()
+        warm.combine(expert_fn(out[0], out[1], GROUP, torch.bfloat16), out[3])
+    warm.destroy()
+    ep = EPAllToAll(**shape, timeout_s=GPU_TIMEOUT_S)
     schedule = {call: (victim, point) for call, victim, point in deaths(world)}
     tokens = [GPU_TOKENS - r for r in range(world)]
     static = [t.cuda() for t in make_inputs(rank, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=0)]
@@ -200,13 +212,13 @@ def _elastic(rank, world, graphed, folder):
             experts = receive(out)
         with torch.cuda.graph(graphs[2]):
             y = ep.combine(experts, out[3])
-    dead, last, first_calls = set(), max(schedule) + AFTER + 1, []
+    runtime.barrier()
+    dead, last, first_calls, results = set(), max(schedule) + AFTER + 1, [], []
     for n in range(last):
         victim, point = schedule.get(n, (None, None))
         if rank == victim and point == "before dispatch":
             die()
-        inputs = [make_inputs(r, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=n, drop=0.1) for r in range(world)]
-        for dst, src in zip(static, inputs[rank]):
+        for dst, src in zip(static, make_inputs(rank, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=n, drop=0.1)):
             dst.copy_(src)
         if point == "mid kernel" and rank != victim:
             time.sleep(1.0)      # the victim's receive is waiting for this rank when the victim dies
@@ -241,8 +253,12 @@ def _elastic(rank, world, graphed, folder):
             first_calls.append(round(took, 3))
         elif n > 0:
             assert took < GPU_TIMEOUT_S, (n, took)          # nothing waits for a dead rank twice
-        check(rank, world, GPU_EXPERTS, GPU_TOKENS, out, y, inputs, senders, dead)
-        print(f"call {n} checked", flush=True)
+        results.append((n, [t.cpu() for t in out[:3]], SimpleNamespace(recv_src=out[3].recv_src.cpu(),
+                                                                       lost=out[3].lost.cpu()),
+                        y.cpu(), senders, set(dead)))
+    for n, out, handle, y, senders, gone in results:
+        inputs = [make_inputs(r, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=n, drop=0.1) for r in range(world)]
+        check(rank, world, GPU_EXPERTS, GPU_TOKENS, out + [handle], y, inputs, senders, gone)
     assert ep.live_ranks() == sorted(set(range(world)) - dead)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"first_calls_s": first_calls, "calls": last}))
 
