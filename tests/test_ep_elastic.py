@@ -55,8 +55,17 @@ def check(rank, world, experts, max_tokens, out, y, inputs, senders, dead):
         for i, (payload, scales, source) in enumerate(rows):
             assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (rank, e, i)
             assert torch.equal(recv_scales[e, i], scales) and int(sources[e, i]) == source, (rank, e, i)
-    survived = [(x, ids.masked_fill(on_dead(ids, dead, per_rank), -1), w) for x, ids, w in inputs]
-    assert torch.equal(y.cpu(), expected_combine(rank, world, survived, experts, GROUP, torch.bfloat16)), rank
+    def combined(gone):
+        survived = [(x, ids.masked_fill(on_dead(ids, gone, per_rank), -1), w) for x, ids, w in inputs]
+        return expected_combine(rank, world, survived, experts, GROUP, torch.bfloat16)
+
+    y = y.cpu()
+    if not torch.equal(y, combined(dead)):
+        rows = (y != combined(dead)).any(1).nonzero().flatten().tolist()
+        candidates = [dead | {r} for r in range(world)] + [dead - {r} for r in dead]
+        like = [sorted(gone) for gone in candidates if torch.equal(y, combined(gone))]
+        raise AssertionError(f"rank {rank}: y differs in rows {rows} (the ranks lost: {sorted(dead)}; y is what "
+                             f"losing {like or 'no other set'} gives; lost {handle.lost.int().tolist()})")
     assert torch.equal(handle.lost.cpu(), on_dead(inputs[rank][1], dead, per_rank)), rank
 
 
@@ -258,7 +267,10 @@ def _elastic(rank, world, graphed, folder):
                         y.cpu(), senders, set(dead)))
     for n, out, handle, y, senders, gone in results:
         inputs = [make_inputs(r, tokens, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK, seed=n, drop=0.1) for r in range(world)]
-        check(rank, world, GPU_EXPERTS, GPU_TOKENS, out + [handle], y, inputs, senders, gone)
+        try:
+            check(rank, world, GPU_EXPERTS, GPU_TOKENS, out + [handle], y, inputs, senders, gone)
+        except AssertionError as error:
+            raise AssertionError(f"call {n}: {error}") from error
     assert ep.live_ranks() == sorted(set(range(world)) - dead)
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"first_calls_s": first_calls, "calls": last}))
 
