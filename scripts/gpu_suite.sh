@@ -10,7 +10,7 @@
 #             below), 506 s cold.
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP: ranks killed at 4 ranks, the survivors go on (not in quick: its graph variant fails
-#             about one run in four, a wrong row in rank 0's combine after the deaths; benchmarks/NOTES.md)
+#             two runs in four, a wrong row in rank 0's combine after the deaths; benchmarks/NOTES.md)
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
