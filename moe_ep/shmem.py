@@ -366,28 +366,38 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
 
 
 @triton.jit
+def bits_of(flags):
+    """bool [N] -> int64 with bit i set where flags[i]: one value for the whole program. A vector of a few
+    lanes is held by many threads at once, each copy loaded on its own (a flag can change between those
+    loads); a reduction settles on one."""
+    i = tl.arange(0, flags.shape[0])
+    return tl.sum(tl.where(flags, 1 << i.to(tl.int64), 0), 0)
+
+
+@triton.jit
 def wait_live_ge(flags, count, target, live, timeout_ns, clock, COUNT_PAD: tl.constexpr):
     """``wait_all_ge`` over the flags i < count whose int32 word live[i] is not 0, re-read on every poll
-    (a peer may clear it meanwhile). Returns (reached, late), bool [COUNT_PAD]: the flags at `target`,
-    and the live ones still short of it when `timeout_ns` ran out (none if the wait succeeded). Writes
-    no status: what a late flag means is the caller's to decide."""
+    (a peer may clear it meanwhile). Returns (reached, late) as int64 bit sets (bit i: flag i): the flags
+    at `target`, and the live ones still short of it when `timeout_ns` ran out (none if the wait
+    succeeded), both from the same poll. Writes no status: what a late flag means is the caller's to
+    decide."""
     i = tl.arange(0, COUNT_PAD)
     valid = i < count
     polled = flags + tl.where(valid, i, 0)
-    values = load_acquire(polled)
-    alive = tl.load(live + i, mask=valid, other=0, volatile=True) != 0
-    short = tl.sum((alive & (values < target)).to(tl.int32), 0)
-    if short > 0:
+    reached = bits_of(valid & (load_acquire(polled) >= target))
+    alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
+    short = alive & ~reached
+    if short != 0:
         tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
         now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
         deadline = now + timeout_ns
-        while (short > 0) & (now < deadline):
-            values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
-            alive = tl.load(live + i, mask=valid, other=0, volatile=True) != 0
-            short = tl.sum((alive & (values < target)).to(tl.int32), 0)
+        while (short != 0) & (now < deadline):
+            reached = bits_of(valid & (load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype)) >= target))
+            alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
+            short = alive & ~reached
             now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
     tl.debug_barrier()
-    return valid & (values >= target), alive & (values < target)
+    return reached, short
 
 
 @triton.jit

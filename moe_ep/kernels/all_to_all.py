@@ -73,7 +73,7 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import INTERPRETING, last_to_finish, now_ns, signal_add_to, wait_all_ge, wait_live_ge
+from ..shmem import INTERPRETING, bits_of, last_to_finish, now_ns, signal_add_to, wait_all_ge, wait_live_ge
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
@@ -165,7 +165,7 @@ def _live(live_peers, rank, world, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexp
     if ELASTIC:
         r = tl.arange(0, WORLD_PAD)
         live = tl.load(_peer(live_peers, 0, rank, world, tl.int32) + r, mask=r < world, other=0, volatile=True)
-        bits = tl.sum(tl.where(live != 0, 1 << r.to(tl.int64), 0), 0)
+        bits = bits_of(live != 0)
     else:
         bits = tl.full([], -1, tl.int64)
     return bits
@@ -183,13 +183,11 @@ def _wait(flags, world, target, live_peers, rank, timeout_ns, status, tag, clock
     itself marked dead: it answered too late, and its peers went on without it."""
     if ELASTIC:
         live = _peer(live_peers, 0, rank, world, tl.int32)
-        arrived, late = wait_live_ge(flags, world, target, live, timeout_ns, clock, WORLD_PAD)
+        reached, late = wait_live_ge(flags, world, target, live, timeout_ns, clock, WORLD_PAD)
         _mark_dead(live_peers, late, world, WORLD_PAD)
         ok = tl.load(live + rank, volatile=True) != 0
         if not ok:
             tl.store(status + STATUS_EVICTED, 1)
-        r = tl.arange(0, WORLD_PAD)
-        reached = tl.sum(tl.where(arrived, 1 << r.to(tl.int64), 0), 0)
     else:
         ok = wait_all_ge(flags, world, target, timeout_ns, status, tag, clock, WORLD_PAD)
         reached = tl.full([], -1, tl.int64)
@@ -198,10 +196,10 @@ def _wait(flags, world, target, live_peers, rank, timeout_ns, status, tag, clock
 
 @triton.jit
 def _mark_dead(live_peers, late, world, WORLD_PAD: tl.constexpr):
-    """Clear the live word of each `late` rank (bool [WORLD_PAD]) on every rank."""
+    """Clear the live word of each `late` rank (bits) on every rank."""
     r = tl.arange(0, WORLD_PAD)
     words = tl.load(live_peers + r, mask=r < world, other=0).to(tl.pointer_type(tl.int32))
-    tl.store(words[:, None] + r[None, :], 0, mask=(r < world)[:, None] & late[None, :])
+    tl.store(words[:, None] + r[None, :], 0, mask=(r < world)[:, None] & _bit(late, r)[None, :])
 
 
 @triton.jit
