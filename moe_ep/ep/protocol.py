@@ -175,8 +175,7 @@ class KernelProtocol(EPProtocol):
         self.stamps = self.local((len(self.kernel_names), len(self.stamp_names)), torch.int64)
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
-        self._combined_views: dict[tuple[int, int], torch.Tensor] = {}
-        self._lost_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[str, int, int], torch.Tensor] = {}     # (buffer, slot, tokens) -> a call's rows
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
 
     def local(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -239,19 +238,20 @@ class KernelProtocol(EPProtocol):
     def lost(self, slot: int, num_tokens: int) -> torch.Tensor | None:
         """The lost-expert report [T, K] bool of the dispatch in `slot` (written by its combine), a view made
         once per (slot, num_tokens); None unless elastic."""
-        if not self.config.elastic:
-            return None
-        view = self._lost_views.get((slot, num_tokens))
-        if view is None:
-            view = self._lost_views[slot, num_tokens] = self.lost_experts[slot, :num_tokens].view(torch.bool)
-        return view
+        return self._rows("lost", self.lost_experts, slot, num_tokens, torch.bool) if self.config.elastic else None
 
     def combined(self, slot: int, num_tokens: int) -> torch.Tensor:
         """Combine's output for a call of `num_tokens` tokens in `slot`: a view of the slot's [T_max, H]
         buffer, made once per (slot, num_tokens)."""
-        view = self._combined_views.get((slot, num_tokens))
+        return self._rows("combined", self.combine_buffers.out, slot, num_tokens)
+
+    def _rows(self, name: str, buffer: torch.Tensor, slot: int, num_tokens: int, dtype=None) -> torch.Tensor:
+        """buffer[slot, :num_tokens] (viewed as `dtype` if given), made once per (name, slot, num_tokens): a
+        call's outputs cost no slicing on the host."""
+        view = self._views.get((name, slot, num_tokens))
         if view is None:
-            view = self._combined_views[slot, num_tokens] = self.combine_buffers.out[slot, :num_tokens]
+            view = buffer[slot, :num_tokens]
+            self._views[name, slot, num_tokens] = view = view if dtype is None else view.view(dtype)
         return view
 
     # --------------------------------------------------------------------- launches (bound in connect)
