@@ -15,7 +15,7 @@ import torch
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from moe_ep import EPAllToAll, launcher
 from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
-from moe_ep.ep import protocol
+from moe_ep.ep import low_latency, protocol
 from moe_ep.ep.protocol import MODES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -39,7 +39,20 @@ CASES = [
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernels_in_the_interpreter(case):
-    world, calls, hidden, experts, topk, group, drop, one_expert = CASES[case]
+    check_calls(*CASES[case])
+
+
+@pytest.mark.parametrize("case", [2, 4])
+def test_layout_in_many_chunks(case, monkeypatch):
+    """Layout chunks of 4 ids: a call's hits of an expert span chunks, the last layout program sums many
+    chunks up, and some calls have fewer chunks than the send has layout programs."""
+    monkeypatch.setattr(low_latency, "LAYOUT_IDS", 4)
+    check_calls(*CASES[case])
+
+
+def check_calls(world, calls, hidden, experts, topk, group, drop, one_expert):
+    """Dispatch and combine of every call in `calls` (tokens per rank), each rank's results bit for bit
+    against the oracle's."""
     max_tokens = max(max(c) for c in calls)
     ranks = simulated_world(world, max_tokens, hidden, experts, topk, group)
     for call, tokens in enumerate(calls):
@@ -163,18 +176,23 @@ def test_back_to_back_dispatches_and_two_in_flight():
         assert not ep._status.any()
 
 
-def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call():
+@pytest.mark.parametrize("chunk_ids", [None, 2])
+def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call(chunk_ids, monkeypatch):
     """validate=True: an id outside [-1, E) is found on the device, dropped like -1, and the next call
-    raises a ValueError naming the call, the slot and the value; the object stays usable."""
+    raises a ValueError naming the call, the slot and the value of the first (in layout chunks of 2 ids
+    too, the two bad ids in different chunks); the object stays usable."""
+    if chunk_ids:
+        monkeypatch.setattr(low_latency, "LAYOUT_IDS", chunk_ids)
     world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
     ranks = simulated_world(world, tokens, hidden, experts, topk, 64, timing=True)
     inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=3) for r in range(world)]
     bad = [(x, ids.clone(), w) for x, ids, w in inputs]
     bad[1][1][2, 1] = experts + 5
+    bad[1][1][3, 0] = -7
     outs = [ep.dispatch(*bad[r], return_recv_hook=True) for r, ep in enumerate(ranks)]
     for *_, hook in outs:
         hook()
-    dropped = [(x, ids.masked_fill(ids >= experts, -1), w) for x, ids, w in bad]
+    dropped = [(x, ids.masked_fill((ids >= experts) | (ids < -1), -1), w) for x, ids, w in bad]
     for r, (recv_x, recv_scales, recv_count, _, _) in enumerate(outs):
         expected = expected_dispatch(r, world, dropped, experts, tokens, 64)
         assert recv_count.tolist() == [len(rows) for rows in expected]

@@ -41,27 +41,34 @@ PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call")   # what a dispatch launch passes per call
 COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
-LAYOUT_IDS = 2048            # at most this many topk ids per layout step (one cumsum per expert)
-LAYOUT_TILE = 2048           # ids x experts compared per layout step: 16 per thread of 4 warps (a larger tile
-                             # costs dispatch_send registers: 127 at 4096)
+# Topk ids per layout program (a chunk, sorted at once), whatever the tiles: the positions a rank sends are
+# per chunk, so every rank's receive must know the senders' chunks. A larger chunk costs its program more
+# steps (a bitonic sort of n ids takes log2(n) (log2(n) + 1) / 2 of them), a smaller one leaves more chunks
+# for the last layout program to sum up.
+LAYOUT_IDS = 1024
+SCAN_CHUNKS, SCAN_TILE = 8, 512   # the last layout program sums up at most 8 chunks x 64 experts a step
 
 
 @dataclass
 class DispatchBuffers:
     """Dispatch's buffers. S = SLOTS, W ranks, T = max_tokens, H = hidden, K = topk, G = H / fp8_group
-    scale groups, E_loc local experts, R = W * T rows per local expert. Row block [slot, src] of a
+    scale groups, E experts, E_loc local experts, R = W * T rows per local expert, C layout chunks of ids
+    (``layout_chunks``). Row block [slot, src] of a
     symmetric buffer is written by rank src's dispatch_send through a peer pointer."""
     # symmetric (the peer table rows, kernels.DISPATCH_PEERS)
     data: torch.Tensor         # [S, W, T, H] fp8 or dtype: each source's token rows; dispatch_recv reads them
     scales: torch.Tensor       # [S, W, T, G] f32: their FP8 scales
     ids: torch.Tensor          # [S, W, T, K] i32: each source token's expert ids (sent to every rank)
     weights: torch.Tensor      # [S, W, T, K] f32: their weights (sent to the ranks the token goes to)
-    positions: torch.Tensor    # [S, W, T, K] i32: hit (t, k)'s place among the source's rows for its expert
+    positions: torch.Tensor    # [S, W, T, K] i32: hit (t, k)'s place among its chunk's hits of its expert
+    offsets: torch.Tensor      # [S, W, C, E_loc] i32: per chunk of ids, the source's rows of each expert before it
     counts: torch.Tensor       # [S, W, E_loc] i32: the source's rows per local expert (layout programs)
     tokens: torch.Tensor       # [S, W] i32: how many tokens the source sent
     arrived: torch.Tensor      # [S, W] i64: calls whose rows from each source have landed (dispatch_recv waits)
     freed: torch.Tensor        # [S, W] i64: calls whose rows each receiver has read out (dispatch_send waits)
-    # local: dispatch_recv writes; the experts and combine_send read
+    # local: dispatch_send's layout scratch (kernels.all_to_all.LAYOUT_*); dispatch_recv writes the others, the
+    # experts and combine_send read them
+    layout: torch.Tensor       # [S, 2 + C * E] i32: blocks finished, first bad id, hits per chunk and expert
     recv_x: torch.Tensor       # [S, E_loc, R, H]: rows per local expert, in (source, token, k) order
     recv_scales: torch.Tensor  # [S, E_loc, R, G] f32
     recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
@@ -85,27 +92,45 @@ class CombineBuffers:
 def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffers:
     """DispatchBuffers for `config`: the peer-table rows (kernels.DISPATCH_PEERS) from
     symmetric_zeros(shape, dtype), the others from local(shape, dtype)."""
-    S, W, T, H, K, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
-                            config.experts_per_rank, config.groups)
+    S, W, T, H, K, E, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
+                               config.num_experts, config.experts_per_rank, config.groups)
+    C = layout_chunks(config)
     shapes = {
         "data": (S, W, T, H), "scales": (S, W, T, G), "ids": (S, W, T, K), "weights": (S, W, T, K),
-        "positions": (S, W, T, K), "counts": (S, W, EL), "tokens": (S, W), "arrived": (S, W), "freed": (S, W),
+        "positions": (S, W, T, K), "offsets": (S, W, C, EL), "counts": (S, W, EL), "tokens": (S, W),
+        "arrived": (S, W), "freed": (S, W), "layout": (S, 2 + C * E),
         "recv_x": (S, EL, W * T, H), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
         "recv_src": (S, EL, W * T), "kept_ids": (S, W, T, K), "kept_weights": (S, W, T, K),
         "kept_rows": (S, W, T, K), "kept_tokens": (S, W)}
     f32, i64 = torch.float32, torch.int64
     dtypes = {"data": config.payload_dtype, "scales": f32, "weights": f32, "arrived": i64, "freed": i64,
               "recv_x": config.payload_dtype, "recv_scales": f32, "kept_weights": f32}
-    return DispatchBuffers(**{
+    buffers = DispatchBuffers(**{
         f.name: (symmetric_zeros if f.name in kernels.DISPATCH_PEERS else local)(shapes[f.name],
                                                                                  dtypes.get(f.name, torch.int32))
         for f in fields(DispatchBuffers)})
+    buffers.layout[:, kernels.LAYOUT_FIRST_BAD.value] = kernels.NO_BAD_ID.value
+    return buffers
 
 
-def layout_tile(config: EPConfig) -> tuple[int, int]:
-    """(ids, experts) of one layout step (kernels.all_to_all._dispatch_layout): BLOCK_I, EXPERTS_BLOCK."""
-    ids = min(LAYOUT_IDS, triton.next_power_of_2(config.max_tokens * config.topk))
-    return ids, min(triton.next_power_of_2(config.num_experts), max(1, LAYOUT_TILE // ids))
+def chunk_ids(config: EPConfig) -> int:
+    """Topk ids per layout chunk: LAYOUT_IDS, or fewer where a call of max_tokens has fewer."""
+    return min(LAYOUT_IDS, triton.next_power_of_2(config.max_tokens * config.topk))
+
+
+def layout_chunks(config: EPConfig) -> int:
+    """Layout chunks of a call of max_tokens: the layout programs of a send."""
+    return triton.cdiv(config.max_tokens * config.topk, chunk_ids(config))
+
+
+def layout_arguments(config: EPConfig) -> tuple[dict, dict]:
+    """The layout's arguments (kernels.all_to_all._dispatch_layout): those of the send kernels, and those
+    of the receive kernels."""
+    chunks = layout_chunks(config)
+    receive = dict(layout_chunks=chunks, CHUNK_IDS=chunk_ids(config))
+    scan = min(SCAN_CHUNKS, triton.next_power_of_2(chunks))
+    return dict(receive, NUM_BINS=triton.next_power_of_2(config.num_experts + 1), SCAN_CHUNKS=scan,
+                SCAN_EXPERTS=min(triton.next_power_of_2(config.num_experts), SCAN_TILE // scan)), receive
 
 
 class LowLatency(KernelProtocol):
@@ -129,8 +154,7 @@ class LowLatency(KernelProtocol):
         self._words = status.numpy()                  # written by the kernels, read by the host
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
-        self.layout_ids, self.layout_experts = layout_tile(config)
-        layout = triton.cdiv(config.num_experts, self.layout_experts)   # layout programs
+        layout = layout_chunks(config)                              # layout programs
         combine_chunks = triton.cdiv(H, COMBINE_COLUMNS)
         work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks, "combine_send": W * T * combine_chunks,
                 "combine_recv": T * combine_chunks}
@@ -186,10 +210,10 @@ class LowLatency(KernelProtocol):
         # What each phase binds, shared by its split kernel and the one-launch kernel of its op: dispatch's
         # send; dispatch's receive per slot (its staging, the staged ids and weights named apart, the outputs);
         # combine's send per dispatch slot; combine's receive.
-        send = dict(peers=dispatch_peers, freed_ptr=d.freed, num_experts=c.num_experts,
-                    EXPERTS_BLOCK=self.layout_experts, BLOCK_I=self.layout_ids, VALIDATE=c.validate, num_warps=4)
-        receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, count_ptr=d.counts,
-                        tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
+        send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
+                     VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
+        receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
+                        count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
                         recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],
                         kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
                         kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
@@ -201,20 +225,22 @@ class LowLatency(KernelProtocol):
         combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS,
                             num_warps=4)
 
+        send_layout, receive_layout = layout_arguments(c)
+
         def split_dispatch(suffix: str, columns: int):
             """Dispatch's send and receive kernels per slot, on the grids named with `suffix`, for work
             items of `columns` columns."""
             tiles = dict(quantize, BLOCK_GROUPS=columns // group)
-            return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS, **send,
-                               **tiles) for s in range(SLOTS)],
+            return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
+                               **send[s], **tiles, **send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
-                               w_ptr=d.weights, **receive[s], **tiles, **early) for s in range(SLOTS)])
+                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early) for s in range(SLOTS)])
 
         self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
         self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)
         self._dispatch = [self.bind("dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS, staged_ids_ptr=d.ids,
-                                    staged_w_ptr=d.weights, **{**send, **receive[s]}, **quantize,
-                                    BLOCK_GROUPS=CHUNK_COLUMNS // group)
+                                    staged_w_ptr=d.weights, **{**send[s], **receive[s]}, **quantize,
+                                    BLOCK_GROUPS=CHUNK_COLUMNS // group, **send_layout)
                           for s in range(SLOTS)]
         self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
                                                  **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}

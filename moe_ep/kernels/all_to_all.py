@@ -4,10 +4,11 @@ Four kernels, two per direction, each launched by the low-latency protocol of ``
 (``moe_ep.ep.low_latency``), and a one-launch kernel per direction that runs both (below):
 
 dispatch_send   (on every rank, for its own tokens)
-    programs [0, L)       "layout" (``_dispatch_layout``): program b scans this rank's topk ids in
-                          (token, k) order for a block of experts and writes, on the rank that
-                          owns each expert e, the position of each hit among this rank's rows
-                          for e, and their count; program 0 sends the token count.
+    programs [0, L)       "layout" (``_dispatch_layout``): program b sorts chunk b of this rank's
+                          topk ids by expert and writes, on the rank that owns each expert e, the
+                          place of each hit among the chunk's hits for e; the last layout program
+                          to finish sends each chunk's offset per expert (the hits of e in the
+                          chunks before it), the rows per expert and the token count.
     programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
                           The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
                           once to every rank that owns at least one of the token's experts; the
@@ -17,7 +18,7 @@ dispatch_send   (on every rank, for its own tokens)
 dispatch_recv   (on every rank)
     Waits until every sender's arrival counter has reached this call, then fans each received
     token out, in local HBM, to the rows of its local experts:
-    row = (rows of this expert from lower ranks) + (position sent by the layout program),
+    row = (rows of this expert from lower ranks) + (the chunk's offset) + (place in the chunk),
     so rows come in (source rank, token, k) order, the reference's order. It keeps what
     combine needs (ids, weights, rows) in local memory; its last program to finish frees the
     slot on every sender (credit counter (slot, me)).
@@ -81,11 +82,16 @@ from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EV
 NUM_SLOTS = 2                # double buffering: call n uses slot n % 2
 
 # Rows of the peer tables.
-D_DATA, D_SCALES, D_IDS, D_WEIGHTS, D_POSITIONS, D_COUNTS, D_TOKENS, D_ARRIVED, D_FREED = (
-    tl.constexpr(i) for i in range(9))
-DISPATCH_PEERS = ("data", "scales", "ids", "weights", "positions", "counts", "tokens", "arrived", "freed")
+D_DATA, D_SCALES, D_IDS, D_WEIGHTS, D_POSITIONS, D_OFFSETS, D_COUNTS, D_TOKENS, D_ARRIVED, D_FREED = (
+    tl.constexpr(i) for i in range(10))
+DISPATCH_PEERS = ("data", "scales", "ids", "weights", "positions", "offsets", "counts", "tokens", "arrived", "freed")
 C_DATA, C_ARRIVED, C_FREED = (tl.constexpr(i) for i in range(3))
 COMBINE_PEERS = ("data", "arrived", "freed")
+
+# The dispatch send's layout scratch, int32 per slot (``_dispatch_layout``): its layout blocks finished, the
+# index of the first out-of-range id (NO_BAD_ID: none), then per chunk of ids its hits per expert [E].
+LAYOUT_FINISHED, LAYOUT_FIRST_BAD, LAYOUT_COUNTS = (tl.constexpr(i) for i in range(3))
+NO_BAD_ID = tl.constexpr(2**31 - 1)
 
 # Timing stamps per kernel (TIMING): rows of the int64 [4, 4] stamp array, then its columns.
 KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
@@ -281,42 +287,97 @@ def _pick(values, index, k):
 
 
 @triton.jit
-def _dispatch_layout(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
-                     experts_per_rank, num_experts, live,
-                     EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, VALIDATE: tl.constexpr):
-    """For experts [block * EXPERTS_BLOCK, ...) at once: the positions of this rank's (token, k) hits
-    for each expert among its rows, in (t, k) order, and their count, written to the owner's
-    positions [T_max, K] and counts [E_loc] of row block `stage`. Block 0 also sends the token count,
-    and with VALIDATE reports the first id outside [-1, E) in the status words. Owners outside `live`
-    (bits) get nothing."""
-    experts = block * EXPERTS_BLOCK + tl.arange(0, EXPERTS_BLOCK)
-    owner = tl.where(experts < num_experts, experts // experts_per_rank, 0)
-    real = (experts < num_experts) & _bit(live, owner)
-    positions = tl.load(peers + D_POSITIONS * world + owner).to(tl.pointer_type(tl.int32))
-    positions += stage * max_tokens * topk
-    found = tl.zeros((EXPERTS_BLOCK,), tl.int32)
+def _layout_chunk(ids_ptr, peers, layout, chunk, stage, num_tokens, world, max_tokens, topk, experts_per_rank,
+                  num_experts, live, CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, VALIDATE: tl.constexpr):
+    """Chunk `chunk` of this rank's topk ids, ids [chunk * CHUNK_IDS, ...) in (token, k) order: each hit's
+    place among the chunk's hits of its expert, written to the owner's positions [T_max, K] of row block
+    `stage`, and the chunk's hits per expert to layout[LAYOUT_COUNTS + chunk * E, ...) for
+    ``_layout_offsets``. Hits on owners outside `live` (bits) count nowhere. With VALIDATE, the index of
+    the chunk's first id outside [-1, E) lowers layout[LAYOUT_FIRST_BAD].
+
+    O(CHUNK_IDS log^2 CHUNK_IDS) work: the chunk is sorted by (expert, index), so that the hits of an
+    expert lie side by side in (t, k) order; the first of them sits at the expert's exclusive prefix of
+    the chunk's histogram, and each hit's place is its distance from there."""
     n = num_tokens * topk
-    first_bad = n
-    for i0 in range(0, n, BLOCK_I):
-        i = i0 + tl.arange(0, BLOCK_I)
-        ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
-        hit = ((ids[None, :] == experts[:, None]) & real[:, None]).to(tl.int32)   # [EXPERTS_BLOCK, BLOCK_I]
-        tl.store(positions[:, None] + i[None, :], found[:, None] + tl.cumsum(hit, 1) - 1, mask=hit > 0)
-        found += tl.sum(hit, 1)
-        if VALIDATE:
-            bad = (i < n) & ((ids < -1) | (ids >= num_experts))
-            first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, i, n), 0))
+    j = tl.arange(0, CHUNK_IDS)
+    i = chunk * CHUNK_IDS + j
+    ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
+    in_range = (ids >= 0) & (ids < num_experts)
     if VALIDATE:
-        if (block == 0) & (first_bad < n):
+        first_bad = tl.min(tl.where((i < n) & ~in_range & (ids != -1), i, n), 0)
+        if first_bad < n:
+            tl.atomic_min(layout + LAYOUT_FIRST_BAD, first_bad)
+    hit = in_range & _bit(live, tl.where(in_range, ids // experts_per_rank, 0))
+    bins = tl.where(hit, ids, num_experts).to(tl.int32)        # misses in bin E
+    hits = tl.histogram(bins, NUM_BINS)
+    keys = tl.sort(bins * CHUNK_IDS + j)
+    expert = keys // CHUNK_IDS
+    place = j - tl.gather(tl.cumsum(hits, 0) - hits, expert, 0)
+    found = expert < num_experts
+    owner = tl.where(found, expert // experts_per_rank, 0)
+    positions = tl.load(peers + D_POSITIONS * world + owner).to(tl.pointer_type(tl.int32))
+    tl.store(positions + stage * max_tokens * topk + chunk * CHUNK_IDS + keys % CHUNK_IDS, place, mask=found)
+    e = tl.arange(0, NUM_BINS)
+    tl.store(layout + LAYOUT_COUNTS + chunk * num_experts + e, hits, mask=e < num_experts)
+
+
+@triton.jit
+def _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, world, topk, experts_per_rank,
+                    num_experts, layout_chunks, live, CHUNK_IDS: tl.constexpr, SCAN_CHUNKS: tl.constexpr,
+                    SCAN_EXPERTS: tl.constexpr, VALIDATE: tl.constexpr):
+    """After every chunk's ``_layout_chunk`` (by the last layout program to finish): per expert, each chunk's
+    first place among this rank's rows (the hits in the chunks before it), written to the owner's
+    offsets [layout_chunks, E_loc] of row block `stage`, and the rows in all, to its counts [E_loc]; the
+    token count to every live rank. SCAN_CHUNKS chunks x SCAN_EXPERTS experts a step. With VALIDATE,
+    reports the first id outside [-1, E) in the status words and rearms layout[LAYOUT_FIRST_BAD]."""
+    n = num_tokens * topk
+    chunks = tl.cdiv(n, CHUNK_IDS)
+    for e0 in range(0, num_experts, SCAN_EXPERTS):
+        e = e0 + tl.arange(0, SCAN_EXPERTS)
+        owner = tl.where(e < num_experts, e // experts_per_rank, 0)
+        real = (e < num_experts) & _bit(live, owner)
+        local = e - owner * experts_per_rank
+        offsets = tl.load(peers + D_OFFSETS * world + owner).to(tl.pointer_type(tl.int32))
+        offsets += stage * layout_chunks * experts_per_rank + local
+        before = tl.zeros((SCAN_EXPERTS,), tl.int32)      # hits in the chunks summed so far
+        for c0 in range(0, chunks, SCAN_CHUNKS):
+            c = c0 + tl.arange(0, SCAN_CHUNKS)
+            both = (c < chunks)[:, None] & real[None, :]
+            hits = tl.load(layout + LAYOUT_COUNTS + c[:, None] * num_experts + e[None, :], mask=both, other=0)
+            tl.store(offsets[None, :] + c[:, None] * experts_per_rank, before[None, :] + tl.cumsum(hits, 0) - hits,
+                     mask=both)
+            before += tl.sum(hits, 0)
+        counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32))
+        tl.store(counts + stage * experts_per_rank + local, before, mask=real)
+    for r in range(world):
+        if _bit(live, r):
+            tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+    if VALIDATE:
+        first_bad = tl.load(layout + LAYOUT_FIRST_BAD)
+        if first_bad < n:
             tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
             tl.store(status + STATUS_BAD_INDEX, first_bad)
             tl.store(status + STATUS_BAD_CALL, call)
-    counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32)) + stage * experts_per_rank
-    tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
-    if block == 0:
-        for r in range(world):
-            if _bit(live, r):
-                tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+            tl.store(layout + LAYOUT_FIRST_BAD, NO_BAD_ID)
+
+
+@triton.jit
+def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_tokens, call, world, max_tokens, topk,
+                     experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS: tl.constexpr,
+                     NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
+                     VALIDATE: tl.constexpr):
+    """Layout block `block` of `layout_chunks` (one per chunk of ids a call of max_tokens can have): its
+    chunk, if the call has one (``_layout_chunk``); the last block to finish sums the chunks up
+    (``_layout_offsets``) and rearms the count of finished blocks. Where this program's wait failed (`ok`
+    False) it only counts itself finished, so that the count stays right for the next launch."""
+    if ok & (block < tl.cdiv(num_tokens * topk, CHUNK_IDS)):
+        _layout_chunk(ids_ptr, peers, layout, block, stage, num_tokens, world, max_tokens, topk, experts_per_rank,
+                      num_experts, live, CHUNK_IDS, NUM_BINS, VALIDATE)
+    if last_to_finish(layout + LAYOUT_FINISHED, layout_chunks):
+        if ok:
+            _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, world, topk, experts_per_rank,
+                            num_experts, layout_chunks, live, CHUNK_IDS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
+        tl.store(layout + LAYOUT_FINISHED, 0)
 
 
 @triton.jit
@@ -376,10 +437,11 @@ def _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr
 
 
 @triton.jit
-def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr,
+def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
-                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank, reached,
-                         FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
+                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         layout_chunks, reached, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                         K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, chunk) of the sources in `reached` (bits):
     fan the received chunk out to the rows of its local experts; with the first chunk, keep what combine
     needs."""
@@ -398,6 +460,9 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
             expert = tl.where(local, ids - rank * experts_per_rank, 0)
             row = tl.load(pos_ptr + meta, mask=local, other=0)
+            id_chunk = (t * topk + kk) // CHUNK_IDS            # the layout chunk of each hit
+            row += tl.load(offset_ptr + ((stage + src) * layout_chunks + id_chunk) * experts_per_rank + expert,
+                           mask=local, other=0)
             for s in range(src):
                 counts = tl.load(count_ptr + (stage + s) * experts_per_rank + expert, mask=local, other=0)
                 row += tl.where(_bit(reached, s), counts, 0)
@@ -487,49 +552,50 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step,
         tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
+@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_chunks"])
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     peers,                                                   # int64 [DISPATCH_PEERS, world]
     freed_ptr,                                               # my credit counters [SLOTS, world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
     live_peers, agreed_ptr,                                  # int64 [world]: every rank's live mask; [SLOTS]
+    layout_ptr,                                              # int32 layout scratch of this slot (LAYOUT_*)
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
+    layout_chunks,                                           # layout programs: chunks of T_max * K ids
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
+    WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
-    [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, counts [E/world] i32,
-    tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
+    [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, offsets [layout_chunks, E/world]
+    i32, counts [E/world] i32, tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
     status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
                                     world, 1, timeout_ns, TAG_DISPATCH_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     pid = tl.program_id(0)
-    layout_programs = tl.cdiv(num_experts, EXPERTS_BLOCK)
     stage = slot * world + rank                              # my row block on every receiver
-    if ok:
-        live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
-        if pid < layout_programs:
-            _dispatch_layout(ids_ptr, peers, status_ptr, pid, stage, num_tokens, call, world, max_tokens, topk,
-                             experts_per_rank, num_experts, live, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
-        else:
-            _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_programs,
-                             tl.num_programs(0) - layout_programs, stage, num_tokens, world, max_tokens, hidden,
-                             topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+    live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
+    if pid < layout_chunks:
+        _dispatch_layout(ok, ids_ptr, peers, layout_ptr, status_ptr, pid, stage, num_tokens, call, world, max_tokens,
+                         topk, experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS, NUM_BINS, SCAN_CHUNKS,
+                         SCAN_EXPERTS, VALIDATE)
+    elif ok:
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_chunks, tl.num_programs(0) - layout_chunks,
+                         stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank, live, FP8, GROUP,
+                         BLOCK_GROUPS, K_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
             stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
-@triton.jit(do_not_specialize=_INTS)
+@triton.jit(do_not_specialize=_INTS + ["layout_chunks"])
 def dispatch_recv_kernel(
-    data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
+    data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
     peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
-    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
     status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
@@ -541,10 +607,10 @@ def dispatch_recv_kernel(
         if tl.program_id(0) == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world,
                                   experts_per_rank, reached)
-        _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, count_ptr, tokens_ptr, recv_x_ptr,
-                             recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, tl.program_id(0),
-                             tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                             reached, FP8, GROUP, BLOCK_GROUPS, K_PAD)
+        _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
+                             recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
+                             tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
+                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
@@ -593,20 +659,23 @@ def combine_recv_kernel(
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
-@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts"])
+@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_chunks"])
 def dispatch_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     peers, freed_ptr,                                        # as in dispatch_send_kernel
-    data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
+    data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,   # my staging
+    arrived_ptr,
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # as in dispatch_recv_kernel
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,
     finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
+    layout_ptr,                                              # as in dispatch_send_kernel
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
+    layout_chunks,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, WORLD_PAD: tl.constexpr,
-    VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
+    WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
     and token items by program id, then all wait for the peers' rows and fan them out."""
@@ -614,11 +683,12 @@ def dispatch_kernel(
                                     world, 1, timeout_ns, TAG_DISPATCH_CREDIT, False, WORLD_PAD, ELASTIC, TIMING)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank                              # my row block on every receiver
+    live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
+    for block in range(pid, layout_chunks, programs):
+        _dispatch_layout(ok, ids_ptr, peers, layout_ptr, status_ptr, block, stage, num_tokens, call, world, max_tokens,
+                         topk, experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS, NUM_BINS, SCAN_CHUNKS,
+                         SCAN_EXPERTS, VALIDATE)
     if ok:
-        live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
-        for block in range(pid, tl.cdiv(num_experts, EXPERTS_BLOCK), programs):
-            _dispatch_layout(ids_ptr, peers, status_ptr, block, stage, num_tokens, call, world, max_tokens, topk,
-                             experts_per_rank, num_experts, live, EXPERTS_BLOCK, BLOCK_I, VALIDATE)
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
                          topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
@@ -632,10 +702,10 @@ def dispatch_kernel(
         if pid == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
                                   experts_per_rank, reached)
-        _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, count_ptr, tokens_ptr,
-                             recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, pid,
-                             programs, slot * world, rank, world, max_tokens, hidden, topk, experts_per_rank, reached,
-                             FP8, GROUP, BLOCK_GROUPS, K_PAD)
+        _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr,
+                             tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
+                             kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
+                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
     _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
             live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
 
