@@ -45,14 +45,15 @@ AMAX_FLOOR = 1e-4
 def quantize_fp8(x: torch.Tensor, group: int = 128):
     """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, H // group] float32); x ~= q * scale.
 
-    scale = max(amax over the group, 1e-4) * fp32(1 / 448), q = fp8(x / scale), round to nearest even.
-    (A product: torch on CUDA would turn a division by the constant into one anyway, on CPU not.)
+    amax = max(amax over the group, 1e-4), scale = amax * fp32(1 / 448), q = fp8(x * (448 / amax)),
+    round to nearest even, 448 / amax an IEEE division (a tensor by a tensor: torch turns a division by
+    a constant, or of one, into a product with the reciprocal on CUDA).
     """
     tokens, hidden = x.shape
     xf = x.float().reshape(tokens, hidden // group, group)
-    scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) * (1.0 / FP8_MAX)
-    q = (xf / scales[..., None]).to(torch.float8_e4m3fn)
-    return q.reshape(tokens, hidden), scales
+    amax = xf.abs().amax(-1).clamp(min=AMAX_FLOOR)
+    q = (xf * (torch.full_like(amax, FP8_MAX) / amax)[..., None]).to(torch.float8_e4m3fn)
+    return q.reshape(tokens, hidden), amax * (1.0 / FP8_MAX)
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:

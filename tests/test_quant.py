@@ -28,9 +28,9 @@ def test_scales_and_scaled_values_exact(tokens, hidden, group):
     x = _inputs(tokens, hidden, device)
     values, scales = quantize_fp8(x, group, out_dtype=torch.float32)
     xf = x.float().cpu().reshape(tokens, -1, group)
-    expected_scales = xf.abs().amax(-1).clamp(min=AMAX_FLOOR) * (1.0 / FP8_MAX)
-    assert torch.equal(scales.cpu(), expected_scales)
-    assert torch.equal(values.cpu(), (xf / expected_scales[..., None]).reshape(tokens, hidden))
+    amax = xf.abs().amax(-1).clamp(min=AMAX_FLOOR)
+    assert torch.equal(scales.cpu(), amax * (1.0 / FP8_MAX))
+    assert torch.equal(values.cpu(), (xf * (torch.full_like(amax, FP8_MAX) / amax)[..., None]).reshape(tokens, hidden))
     assert values.abs().max() <= FP8_MAX * (1 + 2**-22)    # one float32 ulp over: the cast still gives 448
 
 
@@ -52,7 +52,8 @@ def test_reference_round_trip_error():
     q, scales = quantize_reference(x)
     assert torch.isfinite(q.float()).all() and q.float().abs().max() == FP8_MAX
     error = (dequantize_fp8(q, scales) - x).abs()
-    bound = scales.repeat_interleave(128, dim=1) * 16      # half an e4m3 step at the top binade is 16
+    # half an e4m3 step at the top binade (16 scales), and the ulps by which scale * inverse misses 1
+    bound = scales.repeat_interleave(128, dim=1) * 16 + x.abs() * 2**-20
     assert (error <= bound).all()
 
 
@@ -69,7 +70,8 @@ def test_weight_blocks_follow_the_row_formula():
         assert torch.equal(q[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].view(torch.uint8).reshape(1, -1),
                            q_ref.view(torch.uint8))
     error = (dequantize_weights_fp8(q, scales) - w.bfloat16().float()).abs()
-    assert (error <= scales.repeat_interleave(128, 1).repeat_interleave(128, 2) * 16).all()
+    bound = scales.repeat_interleave(128, 1).repeat_interleave(128, 2) * 16 + w.bfloat16().float().abs() * 2**-20
+    assert (error <= bound).all()
     with pytest.raises(ValueError, match="multiples of the block"):
         quantize_weights_fp8(torch.zeros(1, 100, 128))
 

@@ -40,7 +40,10 @@ CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call")   # what a dispatch launch passes per call
-COMBINE_COLUMNS = 1024       # columns per combine work item: k rows of 1024 are loaded at once, in fp32 then
+COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
+# Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
+# flight per program.
+COMBINE_RECV_COLUMNS = 4096
 # Topk ids per layout program (a chunk, sorted at once), whatever the tiles: the positions a rank sends are
 # per chunk, so every rank's receive must know the senders' chunks. A larger chunk costs its program more
 # steps (a bitonic sort of n ids takes log2(n) (log2(n) + 1) / 2 of them), a smaller one leaves more chunks
@@ -155,9 +158,9 @@ class LowLatency(KernelProtocol):
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
         layout = layout_chunks(config)                              # layout programs
-        combine_chunks = triton.cdiv(H, COMBINE_COLUMNS)
-        work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks, "combine_send": W * T * combine_chunks,
-                "combine_recv": T * combine_chunks}
+        work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks,
+                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS),
+                "combine_recv": T * triton.cdiv(H, COMBINE_RECV_COLUMNS)}
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
@@ -211,7 +214,7 @@ class LowLatency(KernelProtocol):
         # send; dispatch's receive per slot (its staging, the staged ids and weights named apart, the outputs);
         # combine's send per dispatch slot; combine's receive.
         send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
-                     VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
+                     VALIDATE=c.validate, num_warps=4, maxnreg=128) for s in range(SLOTS)]
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
                         count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
                         recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],
@@ -222,8 +225,8 @@ class LowLatency(KernelProtocol):
                              BLOCK_H=COMBINE_COLUMNS, num_warps=4,
                              enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
                         for ds in range(SLOTS)]
-        combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers, BLOCK_H=COMBINE_COLUMNS,
-                            num_warps=4)
+        combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers,
+                            RECV_BLOCK_H=COMBINE_RECV_COLUMNS, num_warps=4)
 
         send_layout, receive_layout = layout_arguments(c)
 

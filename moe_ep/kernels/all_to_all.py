@@ -459,6 +459,13 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
             ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
             expert = tl.where(local, ids - rank * experts_per_rank, 0)
+            any_local = tl.max(local.to(tl.int32), 0) > 0
+            g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
+            staged = stage.to(tl.int64) * max_tokens + src_row
+            # the chunk's loads go out before the rows are worked out, and are in flight meanwhile
+            payload = tl.load(data_ptr + staged * hidden + cols, mask=cols < tl.where(any_local, hidden, 0))
+            if FP8:
+                scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < tl.where(any_local, num_groups, 0))
             row = tl.load(pos_ptr + meta, mask=local, other=0)
             id_chunk = (t * topk + kk) // CHUNK_IDS            # the layout chunk of each hit
             row += tl.load(offset_ptr + ((stage + src) * layout_chunks + id_chunk) * experts_per_rank + expert,
@@ -473,12 +480,7 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
                 tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
                 tl.store(kept_row_ptr + kept, row, mask=kk < topk)
                 tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
-            if tl.max(local.to(tl.int32), 0) > 0:
-                g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
-                staged = stage.to(tl.int64) * max_tokens + src_row
-                payload = tl.load(data_ptr + staged * hidden + cols, mask=mask)
-                if FP8:
-                    scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < num_groups)
+            if any_local:
                 for k in tl.static_range(K_PAD):
                     row_k = _pick(row, kk, k)
                     if row_k >= 0:
@@ -645,7 +647,7 @@ def combine_recv_kernel(
     peers,                                                   # int64 [COMBINE_PEERS, world]: the expert ranks' credits
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
@@ -654,7 +656,8 @@ def combine_recv_kernel(
     if ok:
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, tl.program_id(0), tl.num_programs(0), num_tokens,
                             slot, world, max_tokens, hidden, topk, experts_per_rank,
-                            _agree(agreed_ptr + slot, use, reached, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
+                            _agree(agreed_ptr + slot, use, reached, ELASTIC), RECV_BLOCK_H, K_PAD, WORLD_PAD,
+                            ELASTIC)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers, rank,
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
@@ -721,7 +724,7 @@ def combine_kernel(
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
@@ -743,6 +746,6 @@ def combine_kernel(
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, pid, programs, num_tokens, slot, world, max_tokens,
                             hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached,
                                                                    ELASTIC),
-                            BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
+                            RECV_BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
     _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED, stage,
             live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)

@@ -2,14 +2,17 @@
 
 For every run of `group` consecutive columns of a token:
 
-    amax  = max(|x|, 1e-4)            (the floor keeps all-zero groups finite)
-    scale = amax / 448                (fp32, IEEE division)
-    q     = fp8_e4m3(x / scale)       (IEEE division, round to nearest even)
-    x    ~= q * scale
+    amax    = max(|x|, 1e-4)              (the floor keeps all-zero groups finite)
+    scale   = amax * fp32(1 / 448)        (what dequantization multiplies by)
+    inverse = 448 / amax                  (fp32, IEEE division: one per group)
+    q       = fp8_e4m3(x * inverse)       (round to nearest even)
+    x      ~= q * scale
 
-`moe_ep.reference.quantize_fp8` computes the same in plain torch; both divisions are
-correctly rounded here (``div_rn``) and the scale is a product, not a division by a constant
-(which torch on CUDA turns into a product with the reciprocal), so the two agree bit for bit.
+A product per element, not a division: a correctly rounded division per element cost the dispatch
+kernel a quarter of its send at 4096 tokens on an H200 (benchmarks/NOTES.md). `moe_ep.reference.quantize_fp8`
+computes the same in plain torch; the one division is correctly rounded on both sides (``div_rn``
+here; a tensor by a tensor there, which torch does not turn into a product with the reciprocal as
+it does a division by a constant), so the two agree bit for bit.
 
 The Triton interpreter (TRITON_INTERPRET=1, CPU) casts float32 to float8 wrongly when the
 rounding carries into the exponent, and to bfloat16 by truncation; there ``to_fp8`` and
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from ..shmem import INTERPRETING
 
+FP8_MAX = tl.constexpr(448.0)
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
 
@@ -72,13 +76,13 @@ else:
 
 @triton.jit
 def fp8_quantize_groups(x):
-    """x: [N_GROUPS, GROUP] float32 -> (x / scale as float32 [N_GROUPS, GROUP], scale [N_GROUPS]).
+    """x: [N_GROUPS, GROUP] float32 -> (x * inverse as float32 [N_GROUPS, GROUP], scale [N_GROUPS]).
 
     ``to_fp8`` of the first result gives the FP8 values.
     """
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    scale = amax * INV_FP8_MAX
-    return tl.math.div_rn(x, scale[:, None]), scale
+    inverse = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    return x * inverse[:, None], amax * INV_FP8_MAX
 
 
 @triton.jit(do_not_specialize=["num_groups"])
@@ -105,7 +109,7 @@ def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, num_groups,
 def quantize_fp8(x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = torch.float8_e4m3fn):
     """x [T, H] (bf16/fp16/fp32) -> (q [T, H] out_dtype, scales [T, H // group] float32).
 
-    ``out_dtype=torch.float32`` returns x / scale before the FP8 cast (for inspection).
+    ``out_dtype=torch.float32`` returns x * inverse before the FP8 cast (for inspection).
     """
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
@@ -125,17 +129,22 @@ def quantize_fp8(x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = tor
 def quantize_weights_fp8(w: torch.Tensor, block: int = 128):
     """Expert weights w [E, N, K] -> (q [E, N, K] float8_e4m3fn, scales [E, N / block, K / block] float32).
 
-    One scale per block x block tile (N and K multiples of block), the formula of the rows:
-    scale = max(amax of the tile, 1e-4) * fp32(1 / 448), q = fp8(w / scale). Plain torch: it runs
-    once, when a layer's weights are quantized.
+    One scale per block x block tile (N and K multiples of block), the formula of the rows (module
+    docstring) with the tile as the group. Plain torch: it runs once, when a layer's weights are quantized.
     """
     experts, n, k = w.shape
     if n % block or k % block:
         raise ValueError(f"weights [{experts}, {n}, {k}]: N and K must be multiples of the block {block}")
     tiles = w.float().reshape(experts, n // block, block, k // block, block)
-    scales = tiles.abs().amax(dim=(2, 4)).clamp(min=AMAX_FLOOR.value) * INV_FP8_MAX.value
-    q = (tiles / scales[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    scales, inverse = _scale_and_inverse(tiles.abs().amax(dim=(2, 4)))
+    q = (tiles * inverse[:, :, None, :, None]).to(torch.float8_e4m3fn)
     return q.reshape(experts, n, k), scales
+
+
+def _scale_and_inverse(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula's scale and inverse (module docstring) of each group's amax (float32), in plain torch."""
+    amax = amax.clamp(min=AMAX_FLOOR.value)
+    return amax * INV_FP8_MAX.value, torch.full_like(amax, FP8_MAX.value) / amax
 
 
 def dequantize_weights_fp8(q: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -148,8 +157,8 @@ def quantize_rows_fp8(x: torch.Tensor, group: int = 128):
     """x [..., H] -> (q [..., H] float8_e4m3fn, scales [..., H / group] float32) in plain torch, the formula
     of the module docstring per `group` columns: for host paths without the kernel (CPU)."""
     groups = x.float().unflatten(-1, (-1, group))
-    scales = groups.abs().amax(-1).clamp(min=AMAX_FLOOR.value) * INV_FP8_MAX.value
-    return (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2), scales
+    scales, inverse = _scale_and_inverse(groups.abs().amax(-1))
+    return (groups * inverse[..., None]).to(torch.float8_e4m3fn).flatten(-2), scales
 
 
 def dequantize_rows_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
