@@ -168,15 +168,19 @@ for elastic in (False, True):
         p.dispatch_send(0, x, ids, weights, 1, mode); p.dispatch_recv(0)
     p.combine_send(0, 0, expert_out); p.combine_recv(0, 0, y, ids, 64)
     p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
+p = EPAllToAll.simulated(2, 512, 7168, 256, 8)[0].protocol      # a layout in sorted chunks
+p.dispatch_send(0, x, ids, weights, 1, "prefill"); p.dispatch(0, x, ids, weights, 1, "decode")
 """
 
 
 def test_every_kernel_compiles_for_sm90():
     """Every EP kernel, as bound, plain and elastic, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no
-    GPU needed), outside the interpreter, so that CPU-only CI sees what the GPU would compile."""
+    GPU needed), outside the interpreter, so that CPU-only CI sees what the GPU would compile; the send
+    kernels also with the layout of large calls."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == (["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
-        "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]) * 2
+        "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]) * 2 + [
+        "dispatch_send_kernel", "dispatch_kernel"]

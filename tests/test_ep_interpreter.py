@@ -42,11 +42,14 @@ def test_kernels_in_the_interpreter(case):
     check_calls(*CASES[case])
 
 
-@pytest.mark.parametrize("case", [2, 4])
-def test_layout_in_many_chunks(case, monkeypatch):
-    """Layout chunks of 4 ids: a call's hits of an expert span chunks, the last layout program sums many
-    chunks up, and some calls have fewer chunks than the send has layout programs."""
-    monkeypatch.setattr(low_latency, "LAYOUT_IDS", 4)
+@pytest.mark.parametrize("case,chunk_ids", [(2, 4), (4, 4), (4, 1024)])
+def test_layout_in_sorted_chunks(case, chunk_ids, monkeypatch):
+    """The layout of large calls (sorted chunks of ids, summed up by the last layout program) on small ones:
+    in chunks of 4 ids a call's hits of an expert span chunks, the last layout program sums many chunks
+    up, and some calls have fewer chunks than the send has layout programs; in chunks of 1024 one chunk
+    holds every call."""
+    monkeypatch.setattr(low_latency, "COMPARE_IDS", 0)
+    monkeypatch.setattr(low_latency, "LAYOUT_IDS", chunk_ids)
     check_calls(*CASES[case])
 
 
@@ -179,9 +182,10 @@ def test_back_to_back_dispatches_and_two_in_flight():
 @pytest.mark.parametrize("chunk_ids", [None, 2])
 def test_bad_expert_ids_are_dropped_and_reported_by_the_next_call(chunk_ids, monkeypatch):
     """validate=True: an id outside [-1, E) is found on the device, dropped like -1, and the next call
-    raises a ValueError naming the call, the slot and the value of the first (in layout chunks of 2 ids
-    too, the two bad ids in different chunks); the object stays usable."""
+    raises a ValueError naming the call, the slot and the value of the first (with the layout in sorted
+    chunks of 2 ids too, the two bad ids in different chunks); the object stays usable."""
     if chunk_ids:
+        monkeypatch.setattr(low_latency, "COMPARE_IDS", 0)
         monkeypatch.setattr(low_latency, "LAYOUT_IDS", chunk_ids)
     world, tokens, hidden, experts, topk = 2, 4, 128, 4, 2
     ranks = simulated_world(world, tokens, hidden, experts, topk, 64, timing=True)

@@ -44,10 +44,15 @@ COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
 # flight per program.
 COMBINE_RECV_COLUMNS = 4096
-# Topk ids per layout program (a chunk, sorted at once), whatever the tiles: the positions a rank sends are
-# per chunk, so every rank's receive must know the senders' chunks. A larger chunk costs its program more
-# steps (a bitonic sort of n ids takes log2(n) (log2(n) + 1) / 2 of them), a smaller one leaves more chunks
-# for the last layout program to sum up.
+# The layout of a send: where a call of max_tokens has at most COMPARE_IDS topk ids, every layout program
+# compares them all with a block of experts (COMPARE_TILE ids x experts at once), one step, all in parallel;
+# above, each program sorts a chunk of LAYOUT_IDS ids by expert and the last one sums the chunks up, O(ids)
+# work where the compare is O(ids x experts) (at 4096 tokens, top-8 of 256 experts on one H200, the compare's
+# layout alone took 56 us; with sorted chunks the whole send takes 43: benchmarks/NOTES.md). A larger chunk
+# costs its program more steps (a bitonic sort of
+# n ids takes log2(n) (log2(n) + 1) / 2), a smaller one leaves more chunks for the last program to sum up.
+# The positions a rank sends are per chunk: every rank's receive knows the senders' chunks from the config.
+COMPARE_IDS, COMPARE_TILE = 2048, 2048
 LAYOUT_IDS = 1024
 SCAN_CHUNKS, SCAN_TILE = 8, 512   # the last layout program sums up at most 8 chunks x 64 experts a step
 
@@ -116,24 +121,35 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffer
     return buffers
 
 
+def compares(config: EPConfig) -> bool:
+    """Whether a send's layout compares every id with every expert (few ids), or sorts chunks of them."""
+    return config.max_tokens * config.topk <= COMPARE_IDS
+
+
 def chunk_ids(config: EPConfig) -> int:
-    """Topk ids per layout chunk: LAYOUT_IDS, or fewer where a call of max_tokens has fewer."""
-    return min(LAYOUT_IDS, triton.next_power_of_2(config.max_tokens * config.topk))
+    """Topk ids per layout chunk: all of a call of max_tokens where the layout compares, else LAYOUT_IDS."""
+    ids = triton.next_power_of_2(config.max_tokens * config.topk)
+    return ids if compares(config) else min(LAYOUT_IDS, ids)
 
 
 def layout_chunks(config: EPConfig) -> int:
-    """Layout chunks of a call of max_tokens: the layout programs of a send."""
+    """Layout chunks of a call of max_tokens."""
     return triton.cdiv(config.max_tokens * config.topk, chunk_ids(config))
 
 
 def layout_arguments(config: EPConfig) -> tuple[dict, dict]:
-    """The layout's arguments (kernels.all_to_all._dispatch_layout): those of the send kernels, and those
-    of the receive kernels."""
-    chunks = layout_chunks(config)
-    receive = dict(layout_chunks=chunks, CHUNK_IDS=chunk_ids(config))
+    """The layout's arguments (kernels.all_to_all._dispatch_layout): those of the send kernels (with
+    `layout_blocks`, their layout programs), and those of the receive kernels."""
+    chunks, ids, experts = layout_chunks(config), chunk_ids(config), triton.next_power_of_2(config.num_experts)
+    receive = dict(layout_chunks=chunks, CHUNK_IDS=ids)
+    if compares(config):
+        block = min(experts, max(1, COMPARE_TILE // ids))
+        return dict(receive, layout_blocks=triton.cdiv(config.num_experts, block), COMPARE=True, EXPERTS_BLOCK=block,
+                    NUM_BINS=1, SCAN_CHUNKS=1, SCAN_EXPERTS=1), receive
     scan = min(SCAN_CHUNKS, triton.next_power_of_2(chunks))
-    return dict(receive, NUM_BINS=triton.next_power_of_2(config.num_experts + 1), SCAN_CHUNKS=scan,
-                SCAN_EXPERTS=min(triton.next_power_of_2(config.num_experts), SCAN_TILE // scan)), receive
+    return dict(receive, layout_blocks=chunks, COMPARE=False, EXPERTS_BLOCK=1,
+                NUM_BINS=triton.next_power_of_2(config.num_experts + 1), SCAN_CHUNKS=scan,
+                SCAN_EXPERTS=min(experts, SCAN_TILE // scan)), receive
 
 
 class LowLatency(KernelProtocol):
@@ -157,7 +173,7 @@ class LowLatency(KernelProtocol):
         self._words = status.numpy()                  # written by the kernels, read by the host
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
-        layout = layout_chunks(config)                              # layout programs
+        layout = layout_arguments(config)[0]["layout_blocks"]       # layout programs
         work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks,
                 "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS),
                 "combine_recv": T * triton.cdiv(H, COMBINE_RECV_COLUMNS)}
@@ -214,7 +230,7 @@ class LowLatency(KernelProtocol):
         # send; dispatch's receive per slot (its staging, the staged ids and weights named apart, the outputs);
         # combine's send per dispatch slot; combine's receive.
         send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
-                     VALIDATE=c.validate, num_warps=4, maxnreg=128) for s in range(SLOTS)]
+                     VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
                         count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
                         recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],

@@ -8,7 +8,9 @@ dispatch_send   (on every rank, for its own tokens)
                           topk ids by expert and writes, on the rank that owns each expert e, the
                           place of each hit among the chunk's hits for e; the last layout program
                           to finish sends each chunk's offset per expert (the hits of e in the
-                          chunks before it), the rows per expert and the token count.
+                          chunks before it), the rows per expert and the token count. Where a call
+                          has few ids (one chunk), program b instead compares every id with a block
+                          of experts, which takes one step.
     programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
                           The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
                           once to every rank that owns at least one of the token's experts; the
@@ -287,6 +289,45 @@ def _pick(values, index, k):
 
 
 @triton.jit
+def _layout_by_compare(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
+                       experts_per_rank, num_experts, live, EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr,
+                       VALIDATE: tl.constexpr):
+    """For experts [block * EXPERTS_BLOCK, ...) at once: the place of each of this rank's (token, k) hits
+    of each expert among its rows, in (t, k) order (every id compared with every expert of the block, a
+    cumsum along the ids), and their count, written to the owner's positions [T_max, K] and counts
+    [E_loc] of row block `stage`. Block 0 also sends the token count, and with VALIDATE reports the first
+    id outside [-1, E) in the status words. Owners outside `live` (bits) get nothing."""
+    experts = block * EXPERTS_BLOCK + tl.arange(0, EXPERTS_BLOCK)
+    owner = tl.where(experts < num_experts, experts // experts_per_rank, 0)
+    real = (experts < num_experts) & _bit(live, owner)
+    positions = tl.load(peers + D_POSITIONS * world + owner).to(tl.pointer_type(tl.int32))
+    positions += stage * max_tokens * topk
+    found = tl.zeros((EXPERTS_BLOCK,), tl.int32)
+    n = num_tokens * topk
+    first_bad = n
+    for i0 in range(0, n, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
+        hit = ((ids[None, :] == experts[:, None]) & real[:, None]).to(tl.int32)   # [EXPERTS_BLOCK, BLOCK_I]
+        tl.store(positions[:, None] + i[None, :], found[:, None] + tl.cumsum(hit, 1) - 1, mask=hit > 0)
+        found += tl.sum(hit, 1)
+        if VALIDATE:
+            bad = (i < n) & ((ids < -1) | (ids >= num_experts))
+            first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, i, n), 0))
+    if VALIDATE:
+        if (block == 0) & (first_bad < n):
+            tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
+            tl.store(status + STATUS_BAD_INDEX, first_bad)
+            tl.store(status + STATUS_BAD_CALL, call)
+    counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32)) + stage * experts_per_rank
+    tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
+    if block == 0:
+        for r in range(world):
+            if _bit(live, r):
+                tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+
+
+@triton.jit
 def _layout_chunk(ids_ptr, peers, layout, chunk, stage, num_tokens, world, max_tokens, topk, experts_per_rank,
                   num_experts, live, CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, VALIDATE: tl.constexpr):
     """Chunk `chunk` of this rank's topk ids, ids [chunk * CHUNK_IDS, ...) in (token, k) order: each hit's
@@ -363,21 +404,29 @@ def _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, wor
 
 @triton.jit
 def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_tokens, call, world, max_tokens, topk,
-                     experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS: tl.constexpr,
-                     NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
-                     VALIDATE: tl.constexpr):
-    """Layout block `block` of `layout_chunks` (one per chunk of ids a call of max_tokens can have): its
-    chunk, if the call has one (``_layout_chunk``); the last block to finish sums the chunks up
-    (``_layout_offsets``) and rearms the count of finished blocks. Where this program's wait failed (`ok`
-    False) it only counts itself finished, so that the count stays right for the next launch."""
-    if ok & (block < tl.cdiv(num_tokens * topk, CHUNK_IDS)):
-        _layout_chunk(ids_ptr, peers, layout, block, stage, num_tokens, world, max_tokens, topk, experts_per_rank,
-                      num_experts, live, CHUNK_IDS, NUM_BINS, VALIDATE)
-    if last_to_finish(layout + LAYOUT_FINISHED, layout_chunks):
+                     experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE: tl.constexpr,
+                     CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+                     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr, VALIDATE: tl.constexpr):
+    """Layout block `block` of `layout_blocks`. With COMPARE (a call of max_tokens has few ids: one chunk of
+    CHUNK_IDS), a block of EXPERTS_BLOCK experts compared with every id (``_layout_by_compare``). Otherwise
+    one block per chunk a call of max_tokens can have: its chunk, if the call has one (``_layout_chunk``);
+    the last block to finish sums the chunks up (``_layout_offsets``) and rearms the count of finished
+    blocks. Where this program's wait failed (`ok` False) it only counts itself finished, so that the count
+    stays right for the next launch."""
+    if COMPARE:
         if ok:
-            _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, world, topk, experts_per_rank,
-                            num_experts, layout_chunks, live, CHUNK_IDS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
-        tl.store(layout + LAYOUT_FINISHED, 0)
+            _layout_by_compare(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
+                               experts_per_rank, num_experts, live, EXPERTS_BLOCK, CHUNK_IDS, VALIDATE)
+    else:
+        if ok & (block < tl.cdiv(num_tokens * topk, CHUNK_IDS)):
+            _layout_chunk(ids_ptr, peers, layout, block, stage, num_tokens, world, max_tokens, topk,
+                          experts_per_rank, num_experts, live, CHUNK_IDS, NUM_BINS, VALIDATE)
+        if last_to_finish(layout + LAYOUT_FINISHED, layout_blocks):
+            if ok:
+                _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, world, topk,
+                                experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS, SCAN_CHUNKS,
+                                SCAN_EXPERTS, VALIDATE)
+            tl.store(layout + LAYOUT_FINISHED, 0)
 
 
 @triton.jit
@@ -554,7 +603,7 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step,
         tl.store(out_ptr + t.to(tl.int64) * hidden + cols, cast_rn(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_chunks"])
+@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     peers,                                                   # int64 [DISPATCH_PEERS, world]
@@ -563,9 +612,10 @@ def dispatch_send_kernel(
     live_peers, agreed_ptr,                                  # int64 [world]: every rank's live mask; [SLOTS]
     layout_ptr,                                              # int32 layout scratch of this slot (LAYOUT_*)
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
-    layout_chunks,                                           # layout programs: chunks of T_max * K ids
+    layout_blocks, layout_chunks,                            # layout programs; chunks of T_max * K ids
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
+    COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+    SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
@@ -576,12 +626,12 @@ def dispatch_send_kernel(
     pid = tl.program_id(0)
     stage = slot * world + rank                              # my row block on every receiver
     live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
-    if pid < layout_chunks:
+    if pid < layout_blocks:
         _dispatch_layout(ok, ids_ptr, peers, layout_ptr, status_ptr, pid, stage, num_tokens, call, world, max_tokens,
-                         topk, experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS, NUM_BINS, SCAN_CHUNKS,
-                         SCAN_EXPERTS, VALIDATE)
+                         topk, experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE, CHUNK_IDS,
+                         EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     elif ok:
-        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_chunks, tl.num_programs(0) - layout_chunks,
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
                          stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank, live, FP8, GROUP,
                          BLOCK_GROUPS, K_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
@@ -662,7 +712,7 @@ def combine_recv_kernel(
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
-@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_chunks"])
+@triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
 def dispatch_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
     peers, freed_ptr,                                        # as in dispatch_send_kernel
@@ -675,9 +725,10 @@ def dispatch_kernel(
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     layout_ptr,                                              # as in dispatch_send_kernel
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
-    layout_chunks,
+    layout_blocks, layout_chunks,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-    CHUNK_IDS: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
+    COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+    SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
 ):
     """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
@@ -687,10 +738,10 @@ def dispatch_kernel(
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank                              # my row block on every receiver
     live = _live(live_peers, rank, world, WORLD_PAD, ELASTIC)
-    for block in range(pid, layout_chunks, programs):
+    for block in range(pid, layout_blocks, programs):
         _dispatch_layout(ok, ids_ptr, peers, layout_ptr, status_ptr, block, stage, num_tokens, call, world, max_tokens,
-                         topk, experts_per_rank, num_experts, layout_chunks, live, CHUNK_IDS, NUM_BINS, SCAN_CHUNKS,
-                         SCAN_EXPERTS, VALIDATE)
+                         topk, experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE, CHUNK_IDS,
+                         EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     if ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
                          topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
