@@ -130,7 +130,8 @@ for part in $parts; do
     quick)
       # Three lanes side by side under one MPS daemon, balanced for a cold compile cache: the one-process
       # kernel tests (no waits on a peer), then NVSHMEM's wrappers; EP, MoE layer and quant at 2 ranks, then
-      # the engines; async TP, then elastic EP at 4 ranks. Each kernel that waits on a peer is bounded, and each rank holds half the SMs.
+      # the engines; async TP, then elastic EP at 4 ranks. Each kernel that waits on a peer is bounded, and
+      # each rank holds its share of the SMs.
       # Each limit is 1.5-2x its step's cold time on one H200 (benchmarks/NOTES.md, "The quick GPU suite").
       shared_gpu
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
