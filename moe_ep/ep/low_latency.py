@@ -232,9 +232,8 @@ class LowLatency(KernelProtocol):
         send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
                      VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
-                        count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
-                        recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
-                        recv_src_ptr=d.recv_src[s],
+                        count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
+                        recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],
                         kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
                         kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
         combine_send = [dict(kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
@@ -254,8 +253,7 @@ class LowLatency(KernelProtocol):
             return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
                                **send[s], **tiles, **send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
-                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early)
-                     for s in range(SLOTS)])
+                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early) for s in range(SLOTS)])
 
         self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
         self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)

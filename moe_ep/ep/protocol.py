@@ -163,9 +163,10 @@ class KernelProtocol(EPProtocol):
         "dispatch" and "combine" for the one-launch kernels, a name of kernel_names + "_prefill" for a
         phase's kernel bound with other tiles), every program's clock word for the bounded waits [grid]; per
         phase (a row per name of kernel_names), the programs finished per slot, the uses of each slot and
-        the ranks an elastic receive reads (``all_to_all._agree``: 0 between launches) [4, slots], and timing
-        stamps [4, 4] (stamp_names; reset to "none yet" before a timed call). A one-launch kernel keeps both
-        its phases' rows. `sms`: the SMs a grid may fill; `status`: the kernels' status words."""
+        the ranks an elastic receive read (``all_to_all._agree``) [4, slots], and timing stamps [4, 4]
+        (stamp_names; reset to "none yet" before a timed call). A one-launch kernel keeps both its phases'
+        rows. `sms`: the SMs a grid may fill; `status`: the
+        kernels' status words."""
         self.status, self.grid, self.sms = status, grid, sms
         self.clocks = {name: self.local((programs,), torch.int64) for name, programs in grid.items()}
         self.finished = self.local((len(self.kernel_names), self.slots), torch.int64)

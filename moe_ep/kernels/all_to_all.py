@@ -99,7 +99,6 @@ NO_BAD_ID = tl.constexpr(2**31 - 1)
 KERNELS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 STAMPS = ("started", "waited", "worked", "signaled")
 STAMP_STARTED, STAMP_WAITED, STAMP_WORKED, STAMP_SIGNALED = (tl.constexpr(i) for i in range(4))
-AGREED = tl.constexpr(1 << 32)   # an agreed word is set (``_agree``): rank sets have at most 32 bits
 # The one-launch kernels' receive rows: of the [2, NUM_SLOTS] counters and of the [2, 4] stamps.
 RECV_COUNTERS, RECV_STAMPS = tl.constexpr(NUM_SLOTS), tl.constexpr(len(STAMPS))
 
@@ -212,14 +211,17 @@ def _mark_dead(live_peers, late, world, WORLD_PAD: tl.constexpr):
 
 
 @triton.jit
-def _agree(word, reached, ELASTIC: tl.constexpr):
+def _agree(word, use, reached, ELASTIC: tl.constexpr):
     """The ranks whose rows a receive launch reads: with ELASTIC, the `reached` of its first program to
-    get here, kept in its slot's word as AGREED | bits (0: none yet; the launch's last program clears it,
-    ``_finish``), so that every program reads the same ranks even where a late rank's signal lands
-    between their waits."""
+    get here, kept in its slot's word as (use << 32) | bits, so that every program reads the same ranks
+    even where a late rank's signal lands between their waits."""
     if ELASTIC:
-        old = tl.atomic_cas(word, tl.zeros_like(reached), reached | AGREED, sem="acq_rel", scope="gpu")
-        reached = tl.where(old == 0, reached, old & (AGREED - 1))
+        mine = (use.to(tl.int64) << 32) | reached
+        seen = tl.atomic_add(word, 0, sem="acquire", scope="gpu")
+        if (seen >> 32) != use:
+            old = tl.atomic_cas(word, seen, mine, sem="acq_rel", scope="gpu")
+            seen = tl.where(old == seen, mine, old)
+        reached = seen & 0xFFFFFFFF
     return reached
 
 
@@ -256,18 +258,16 @@ def _await_peers(ok, stamps, flags, slot, live_peers, rank, world, use, timeout_
 
 
 @triton.jit
-def _finish(finished, uses, use, ok, agreed, peers, row, offset, live_peers, rank, world, stamps,
-            WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr):
+def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, stamps, WORLD_PAD: tl.constexpr,
+            ELASTIC: tl.constexpr, TIMING: tl.constexpr):
     """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank
-    (with ELASTIC: on every live rank, and on none where this rank's wait failed, and it clears the
-    launch's agreed word, every program having read it)."""
+    (with ELASTIC: on every live rank, and on none where this rank's wait failed)."""
     _stamp(stamps, STAMP_WORKED, TIMING)
     if _retire(finished, uses, use):
         r = tl.arange(0, WORLD_PAD)
         ranks = world
         if ELASTIC:
             ranks = tl.where(ok, world, 0)
-            tl.store(agreed, 0)
         to = (r < ranks) & _bit(_live(live_peers, rank, world, WORLD_PAD, ELASTIC), r)
         signal_add_to(peers + row * world, offset, to, 1, WORLD_PAD)
         _stamp(stamps, STAMP_SIGNALED, TIMING)
@@ -634,8 +634,8 @@ def dispatch_send_kernel(
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
                          stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank, live, FP8, GROUP,
                          BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, D_ARRIVED, stage, live_peers,
-            rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["layout_chunks"])
@@ -655,7 +655,7 @@ def dispatch_recv_kernel(
                                           TIMING)
     stage = slot * world                                   # first source row block of this slot
     if ok:
-        reached = _agree(agreed_ptr + slot, reached, ELASTIC)
+        reached = _agree(agreed_ptr + slot, use, reached, ELASTIC)
         if tl.program_id(0) == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world,
                                   experts_per_rank, reached)
@@ -663,8 +663,8 @@ def dispatch_recv_kernel(
                              recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, D_FREED, slot * world + rank,
-            live_peers, rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -685,8 +685,8 @@ def combine_send_kernel(
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
                             _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, C_ARRIVED, slot * world + rank,
-            live_peers, rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -706,10 +706,10 @@ def combine_recv_kernel(
     if ok:
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, tl.program_id(0), tl.num_programs(0), num_tokens,
                             slot, world, max_tokens, hidden, topk, experts_per_rank,
-                            _agree(agreed_ptr + slot, reached, ELASTIC), RECV_BLOCK_H, K_PAD, WORLD_PAD,
+                            _agree(agreed_ptr + slot, use, reached, ELASTIC), RECV_BLOCK_H, K_PAD, WORLD_PAD,
                             ELASTIC)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, C_FREED, slot * world + rank,
-            live_peers, rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers, rank,
+            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
@@ -745,14 +745,14 @@ def dispatch_kernel(
     if ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
                          topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, D_ARRIVED, stage, live_peers,
-            rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
                                status_ptr, TAG_DISPATCH_ARRIVAL, clock_ptr, WORLD_PAD, ELASTIC, TIMING)
     if ok:
-        reached = _agree(agreed_ptr + RECV_COUNTERS + slot, reached, ELASTIC)
+        reached = _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached, ELASTIC)
         if pid == 0:
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
                                   experts_per_rank, reached)
@@ -760,9 +760,8 @@ def dispatch_kernel(
                              tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok,
-            agreed_ptr + RECV_COUNTERS + slot, peers, D_FREED, stage, live_peers, rank, world, recv_stamps, WORLD_PAD,
-            ELASTIC, TIMING)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
+            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -788,17 +787,16 @@ def combine_kernel(
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
                             slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
                             _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, agreed_ptr + slot, peers, C_ARRIVED, stage, live_peers,
-            rank, world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
+            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
                                status_ptr, TAG_COMBINE_ARRIVAL, clock_ptr, WORLD_PAD, ELASTIC, TIMING)
     if ok:
         _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, pid, programs, num_tokens, slot, world, max_tokens,
-                            hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, reached,
+                            hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached,
                                                                    ELASTIC),
                             RECV_BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok,
-            agreed_ptr + RECV_COUNTERS + slot, peers, C_FREED, stage, live_peers, rank, world, recv_stamps, WORLD_PAD,
-            ELASTIC, TIMING)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED, stage,
+            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
