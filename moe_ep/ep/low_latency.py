@@ -31,7 +31,7 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 # kernels' GPU time up to 512 tokens, but 358 us against 291 us at 4096 on one GPU (benchmarks/NOTES.md). In CUDA
 # graphs, where no launch costs host time, "auto" takes the prefill tiles at every size. Combine runs in one
 # launch at every size (251 against 266 us at 4096). EPAllToAll.measure_crossover replaces it with the
-# crossover it measures on its own GPU.
+# crossover it measures on its own GPU (on one H200: 512).
 ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
