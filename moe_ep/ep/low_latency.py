@@ -49,8 +49,8 @@ COMBINE_RECV_COLUMNS = 4096
 # above, each program sorts a chunk of LAYOUT_IDS ids by expert and the last one sums the chunks up, O(ids)
 # work where the compare is O(ids x experts) (at 4096 tokens, top-8 of 256 experts on one H200, the compare's
 # layout alone took 56 us; with sorted chunks the whole send takes 43: benchmarks/NOTES.md). A larger chunk
-# costs its program more steps (a bitonic sort of
-# n ids takes log2(n) (log2(n) + 1) / 2), a smaller one leaves more chunks for the last program to sum up.
+# costs its program more steps (a bitonic sort of n ids takes log2(n) (log2(n) + 1) / 2), a smaller one
+# leaves more chunks for the last program to sum up.
 # The positions a rank sends are per chunk: every rank's receive knows the senders' chunks from the config.
 COMPARE_IDS, COMPARE_TILE = 2048, 2048
 LAYOUT_IDS = 1024
@@ -232,8 +232,9 @@ class LowLatency(KernelProtocol):
         send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
                      VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
-                        count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers, recv_x_ptr=d.recv_x[s],
-                        recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s], recv_src_ptr=d.recv_src[s],
+                        count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
+                        recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
+                        recv_src_ptr=d.recv_src[s],
                         kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
                         kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
         combine_send = [dict(kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
@@ -253,7 +254,8 @@ class LowLatency(KernelProtocol):
             return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
                                **send[s], **tiles, **send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
-                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early) for s in range(SLOTS)])
+                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early)
+                     for s in range(SLOTS)])
 
         self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
         self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)
