@@ -300,6 +300,21 @@ else:
 
 
 @triton.jit
+def _clock_now(clock):
+    """The global timer as the whole program reads it: one thread stores it in the program's `clock` word
+    and every thread reads that word (see ``wait_until_ge``)."""
+    tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+    return tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+
+
+@triton.jit
+def _clock_tick(clock):
+    """A spin loop's step of the shared timer: store the timer in `clock`, return the time stored before
+    (one poll behind: the loop leaves at most one poll late, and all its warps in the same one)."""
+    return tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+
+
+@triton.jit
 def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
     """Spin until the int64 at `flag` is >= `target`, for at most `timeout_ns` nanoseconds.
 
@@ -314,13 +329,12 @@ def wait_until_ge(flag, target, timeout_ns, status, peer, tag, clock):
     read by each warp could disagree at the deadline and make the warps miss each other's
     barriers.
     """
-    tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
-    now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+    now = _clock_now(clock)
     deadline = now + timeout_ns
     value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     while (value < target) & (now < deadline):
         value = tl.atomic_add(_pause(flag.to(tl.int64)).to(flag.dtype), 0, sem="acquire", scope="sys")
-        now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+        now = _clock_tick(clock)
     if value < target:
         tl.store(status + 1, peer)
         tl.store(status + 2, tag)
@@ -347,13 +361,12 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
     values = load_acquire(polled)
     short = tl.sum((live & (values < target)).to(tl.int32), 0)
     if short > 0:                                       # not there yet: start the clock and spin
-        tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
-        now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+        now = _clock_now(clock)
         deadline = now + timeout_ns
         while (short > 0) & (now < deadline):
             values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
             short = tl.sum((live & (values < target)).to(tl.int32), 0)
-            now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+            now = _clock_tick(clock)
     if short > 0:
         peer = tl.min(tl.where(live & (values < target), i, COUNT_PAD), 0)
         tl.store(status + 1, peer)
@@ -388,14 +401,13 @@ def wait_live_ge(flags, count, target, live, timeout_ns, clock, COUNT_PAD: tl.co
     alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
     short = alive & ~reached
     if short != 0:
-        tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
-        now = tl.atomic_add(clock, 0, sem="relaxed", scope="cta")
+        now = _clock_now(clock)
         deadline = now + timeout_ns
         while (short != 0) & (now < deadline):
             reached = bits_of(valid & (load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype)) >= target))
             alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
             short = alive & ~reached
-            now = tl.atomic_xchg(clock, now_ns(), sem="relaxed", scope="cta")
+            now = _clock_tick(clock)
     tl.debug_barrier()
     return reached, short
 

@@ -173,7 +173,8 @@ class LowLatency(KernelProtocol):
         self._words = status.numpy()                  # written by the kernels, read by the host
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         chunks = triton.cdiv(H, CHUNK_COLUMNS)
-        layout = layout_arguments(config)[0]["layout_blocks"]       # layout programs
+        self.send_layout, self.receive_layout = layout_arguments(config)
+        layout = self.send_layout["layout_blocks"]                  # layout programs
         work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks,
                 "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS),
                 "combine_recv": T * triton.cdiv(H, COMBINE_RECV_COLUMNS)}
@@ -245,23 +246,21 @@ class LowLatency(KernelProtocol):
         combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers,
                             RECV_BLOCK_H=COMBINE_RECV_COLUMNS, num_warps=4)
 
-        send_layout, receive_layout = layout_arguments(c)
-
         def split_dispatch(suffix: str, columns: int):
             """Dispatch's send and receive kernels per slot, on the grids named with `suffix`, for work
             items of `columns` columns."""
             tiles = dict(quantize, BLOCK_GROUPS=columns // group)
             return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
-                               **send[s], **tiles, **send_layout) for s in range(SLOTS)],
+                               **send[s], **tiles, **self.send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
-                               w_ptr=d.weights, **receive[s], **tiles, **receive_layout, **early)
+                               w_ptr=d.weights, **receive[s], **tiles, **self.receive_layout, **early)
                      for s in range(SLOTS)])
 
         self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
         self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)
         self._dispatch = [self.bind("dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS, staged_ids_ptr=d.ids,
                                     staged_w_ptr=d.weights, **{**send[s], **receive[s]}, **quantize,
-                                    BLOCK_GROUPS=CHUNK_COLUMNS // group, **send_layout)
+                                    BLOCK_GROUPS=CHUNK_COLUMNS // group, **self.send_layout)
                           for s in range(SLOTS)]
         self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
                                                  **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}

@@ -146,13 +146,14 @@ class KernelProtocol(EPProtocol):
     dispatch_recv, combine_send, combine_recv) and `stamp_names` (the columns of a kernel's timing row).
 
     Subclasses allocate `dispatch_buffers` and `combine_buffers` (with `out`, combine's results per slot),
-    `live` (symmetric int32 [world]: 1 for each rank this one counts live, 0 once masked) and `lost_experts` (int8
-    [slots, T_max, K]: per dispatch slot, the experts its combine lost) in ``__init__``, between ``_start``
-    and ``publish`` (which makes `symmetric`, the buffers destroy() frees, and `outputs`, dispatch's
-    results per slot), set `live_peers` (every rank's address of `live`, ``live_table``) and bind in ``connect`` the launches of each phase:
-    `_dispatch_send`, `_dispatch_recv` (per slot), `_combine_send` (per slot and dispatch slot),
-    `_combine_recv` (per slot and dispatch slot), of both phases at once: `_dispatch` (per slot), `_combine` (per slot
-    and dispatch slot), and `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
+    `live` (symmetric int32 [world]: 1 for each rank this one counts live, 0 once masked) and
+    `lost_experts` (int8 [slots, T_max, K]: per dispatch slot, the experts its combine lost) in
+    ``__init__``, between ``_start`` and ``publish`` (which makes `symmetric`, the buffers destroy() frees,
+    and `outputs`, dispatch's results per slot), set `live_peers` (every rank's address of `live`,
+    ``live_table``) and bind in ``connect`` the launches of each phase: `_dispatch_send`, `_dispatch_recv`
+    (per slot), `_combine_send` (per slot and dispatch slot), `_combine_recv` (per slot and dispatch slot),
+    of both phases at once: `_dispatch` (per slot), `_combine` (per slot and dispatch slot), and
+    `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
     """
 
     kernel_names: tuple[str, ...] = ()

@@ -252,9 +252,10 @@ class MoeEpDispatcher(BaseDispatcher):
         y, hook = self._take("combine_b", tbo_subbatch_index, "combining")
         hook()
         self._put(tbo_subbatch_index, "idle")
-        state = ElasticEPStateManager.instance()
-        if self.elastic and state is not None:
-            self._clear_lost_ranks(state.active_ranks)
+        if self.elastic:
+            state = ElasticEPStateManager.instance()
+            if state is not None:
+                self._clear_lost_ranks(state.active_ranks)
         return y
 
     # ------------------------------------------------------------------------------------ elastic

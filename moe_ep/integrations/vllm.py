@@ -36,11 +36,11 @@ micro-batch's [T, K] report of the experts its last finalize went without. vLLM'
 place for that report: an engine wrapper reads it there. vLLM's place for a rank mask is its fault
 tolerance (``--enable-fault-tolerance``): the EP group's all2all manager answers ``query_active_mask`` and
 ``query_fault``, which the model runner polls with each step's output (under async scheduling); on a
-fault vLLM aborts the running requests and waits for a ``retry``. With that option the plugin builds every layer's all-to-all elastic
-(nvshmem backend only), makes its manager a MoeEpAll2AllManager, which answers those queries from the
-all-to-alls' live masks, and adds moe_ep to the backends vLLM's fault tolerance accepts. A retry after a
-lost rank is refused (clean_buffers raises): vLLM's retry resumes with every rank, and NVSHMEM cannot take
-a rank back into the job it started with.
+fault vLLM aborts the running requests and waits for a ``retry``. With that option the plugin builds
+every layer's all-to-all elastic (nvshmem backend only), makes its manager a MoeEpAll2AllManager, which
+answers those queries from the all-to-alls' live masks, and adds moe_ep to the backends vLLM's fault
+tolerance accepts. A retry after a lost rank is refused (clean_buffers raises): vLLM's retry resumes with
+every rank, and NVSHMEM cannot take a rank back into the job it started with.
 
 Written against vLLM 0.33.0 (VLLM_VERSION); PATCH_POINTS names every engine attribute the plugin replaces.
 """

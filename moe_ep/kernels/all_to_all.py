@@ -289,6 +289,22 @@ def _pick(values, index, k):
 
 
 @triton.jit
+def _send_token_count(peers, stage, num_tokens, world, live):
+    """This rank's token count, to row block `stage` of every rank in `live` (bits)."""
+    for r in range(world):
+        if _bit(live, r):
+            tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+
+
+@triton.jit
+def _report_bad_id(status, ids_ptr, index, call):
+    """Dispatch call `call`'s first id outside [-1, E), topk_ids[index], into the status words."""
+    tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + index).to(tl.int32))
+    tl.store(status + STATUS_BAD_INDEX, index)
+    tl.store(status + STATUS_BAD_CALL, call)
+
+
+@triton.jit
 def _layout_by_compare(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
                        experts_per_rank, num_experts, live, EXPERTS_BLOCK: tl.constexpr, BLOCK_I: tl.constexpr,
                        VALIDATE: tl.constexpr):
@@ -316,15 +332,11 @@ def _layout_by_compare(ids_ptr, peers, status, block, stage, num_tokens, call, w
             first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, i, n), 0))
     if VALIDATE:
         if (block == 0) & (first_bad < n):
-            tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
-            tl.store(status + STATUS_BAD_INDEX, first_bad)
-            tl.store(status + STATUS_BAD_CALL, call)
+            _report_bad_id(status, ids_ptr, first_bad, call)
     counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32)) + stage * experts_per_rank
     tl.store(counts + experts - owner * experts_per_rank, found, mask=real)
     if block == 0:
-        for r in range(world):
-            if _bit(live, r):
-                tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+        _send_token_count(peers, stage, num_tokens, world, live)
 
 
 @triton.jit
@@ -390,15 +402,11 @@ def _layout_offsets(ids_ptr, peers, layout, status, stage, num_tokens, call, wor
             before += tl.sum(hits, 0)
         counts = tl.load(peers + D_COUNTS * world + owner).to(tl.pointer_type(tl.int32))
         tl.store(counts + stage * experts_per_rank + local, before, mask=real)
-    for r in range(world):
-        if _bit(live, r):
-            tl.store(_peer(peers, D_TOKENS, r, world, tl.int32) + stage, num_tokens)
+    _send_token_count(peers, stage, num_tokens, world, live)
     if VALIDATE:
         first_bad = tl.load(layout + LAYOUT_FIRST_BAD)
         if first_bad < n:
-            tl.store(status + STATUS_BAD_ID, tl.load(ids_ptr + first_bad).to(tl.int32))
-            tl.store(status + STATUS_BAD_INDEX, first_bad)
-            tl.store(status + STATUS_BAD_CALL, call)
+            _report_bad_id(status, ids_ptr, first_bad, call)
             tl.store(layout + LAYOUT_FIRST_BAD, NO_BAD_ID)
 
 
