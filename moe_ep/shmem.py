@@ -278,6 +278,11 @@ if INTERPRETING:
     def load_acquire(flags):
         """Load int64 flags (a pointer or a block of pointers)."""
         return tl.load(flags)
+
+    @triton.jit
+    def any_thread(pred):
+        """The interpreter runs a program as one thread: `pred` itself."""
+        return pred
 else:
     @triton.jit
     def now_ns():
@@ -297,6 +302,20 @@ else:
         flag are served by the cache instead of queueing one by one at it."""
         return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [flags.to(tl.int64)],
                                          dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def any_thread(pred):
+        """Whether the scalar `pred` holds in any thread of the program: a barrier that ORs it over every
+        thread (``bar.red.or``), so all threads get the same answer.
+
+        A block of a few lanes is held by every warp, each warp loading its own copy, and a reduction
+        over it stays inside the warp: copies of a flag loaded a moment apart can differ, and so can
+        what each warp makes of them. A loop or branch with barriers inside (a scalar atomic's result
+        goes to every thread through shared memory and a barrier) must turn on one answer for all
+        warps, or their barriers pair up wrongly and threads read each other's shared values."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1) != 0
 
 
 @triton.jit
@@ -352,22 +371,25 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
     All flags are polled at once, with plain acquire loads (``load_acquire``), so waiting for
     several peers costs one round of polls, not one per peer, and many programs can poll the same
     flags. On timeout, reports the first flag i short of the target as the peer, like
-    ``wait_until_ge``, and returns False. The closing barrier extends every thread's acquire to
-    the whole program.
+    ``wait_until_ge``, and returns False. Every warp polls for itself; the program leaves the loop
+    when no thread saw a flag short (``any_thread``), all warps in the same poll. The closing barrier
+    extends every thread's acquire to the whole program.
     """
     i = tl.arange(0, COUNT_PAD)
     live = i < count
     polled = flags + tl.where(live, i, 0)               # padding lanes poll flag 0 again
     values = load_acquire(polled)
     short = tl.sum((live & (values < target)).to(tl.int32), 0)
-    if short > 0:                                       # not there yet: start the clock and spin
+    waiting = any_thread(short > 0)
+    if waiting:                                         # not there yet: start the clock and spin
         now = _clock_now(clock)
         deadline = now + timeout_ns
-        while (short > 0) & (now < deadline):
+        while waiting & (now < deadline):
             values = load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype))
             short = tl.sum((live & (values < target)).to(tl.int32), 0)
+            waiting = any_thread(short > 0)
             now = _clock_tick(clock)
-    if short > 0:
+    if waiting:
         peer = tl.min(tl.where(live & (values < target), i, COUNT_PAD), 0)
         tl.store(status + 1, peer)
         tl.store(status + 2, tag)
@@ -375,14 +397,13 @@ def wait_all_ge(flags, count, target, timeout_ns, status, tag, clock, COUNT_PAD:
         tl.store(status + 4, tl.cast(target, tl.int32))
         tl.store(status, STATUS_TIMEOUT)
     tl.debug_barrier()
-    return short == 0
+    return not waiting
 
 
 @triton.jit
 def bits_of(flags):
-    """bool [N] -> int64 with bit i set where flags[i]: one value for the whole program. A vector of a few
-    lanes is held by many threads at once, each copy loaded on its own (a flag can change between those
-    loads); a reduction settles on one."""
+    """bool [N] -> int64 with bit i set where flags[i]. The reduction stays inside each warp: where
+    the warps loaded their own copies of the flags, their answers can differ (see ``any_thread``)."""
     i = tl.arange(0, flags.shape[0])
     return tl.sum(tl.where(flags, 1 << i.to(tl.int64), 0), 0)
 
@@ -393,20 +414,23 @@ def wait_live_ge(flags, count, target, live, timeout_ns, clock, COUNT_PAD: tl.co
     (a peer may clear it meanwhile). Returns (reached, late) as int64 bit sets (bit i: flag i): the flags
     at `target`, and the live ones still short of it when `timeout_ns` ran out (none if the wait
     succeeded), both from the same poll. Writes no status: what a late flag means is the caller's to
-    decide."""
+    decide. Like ``wait_all_ge`` the warps leave in the same poll, but each returns what it saw: the
+    bit sets can differ between warps where a flag or a live word changed during that poll."""
     i = tl.arange(0, COUNT_PAD)
     valid = i < count
     polled = flags + tl.where(valid, i, 0)
     reached = bits_of(valid & (load_acquire(polled) >= target))
     alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
     short = alive & ~reached
-    if short != 0:
+    waiting = any_thread(short != 0)
+    if waiting:
         now = _clock_now(clock)
         deadline = now + timeout_ns
-        while (short != 0) & (now < deadline):
+        while waiting & (now < deadline):
             reached = bits_of(valid & (load_acquire(_pause(polled.to(tl.int64)).to(flags.dtype)) >= target))
             alive = bits_of(tl.load(live + i, mask=valid, other=0, volatile=True) != 0)
             short = alive & ~reached
+            waiting = any_thread(short != 0)
             now = _clock_tick(clock)
     tl.debug_barrier()
     return reached, short

@@ -4,13 +4,12 @@
 #     bash scripts/gpu_suite.sh OUTDIR [PART ...]        (default: quick)
 #
 # quick       the gate of every change that runs on a GPU: every GPU test file once, at 2 ranks (shared-GPU
-#             mode on one GPU), the sweeps at a reduced size, and the one-GPU benchmarks at their headline
-#             sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's two model
-#             shapes at their decode and prefill rows). On one H200: 392 s with a warm compile cache (see
+#             mode on one GPU; elastic EP's at 4), the sweeps at a reduced size, and the one-GPU benchmarks
+#             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
+#             two model shapes at their decode and prefill rows). On one H200: 392 s with a warm compile cache (see
 #             below), 506 s cold.
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
-# elastic     elastic EP: ranks killed at 4 ranks, the survivors go on (not in quick: elastic mode reads a few
-#             rows stale in some calls, a known bug it catches in some runs only; benchmarks/NOTES.md)
+# elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
@@ -131,7 +130,8 @@ for part in $parts; do
     quick)
       # Three lanes side by side under one MPS daemon, balanced for a cold compile cache: the one-process
       # kernel tests (no waits on a peer), then NVSHMEM's wrappers; EP, MoE layer and quant at 2 ranks, then
-      # the engines; async TP. Each kernel that waits on a peer is bounded, and each rank holds half the SMs.
+      # the engines; async TP, then elastic EP at 4 ranks. Each kernel that waits on a peer is bounded, and
+      # each rank holds its share of the SMs.
       # Each limit is 1.5-2x its step's cold time on one H200 (benchmarks/NOTES.md, "The quick GPU suite").
       shared_gpu
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
@@ -140,10 +140,11 @@ for part in $parts; do
         tests/test_shmem_gpu.py
       lane pytest_ep 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
         -m gpu tests/test_ep_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
-      lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py
+      lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py \
+        --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      for name in pytest_kernels pytest_shmem pytest_ep engines pytest_tp; do
+      for name in pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic; do
         grep -qE "^(PASS|SKIP) +$name " "$out/summary.txt" || failed=1
       done
       own_gpu

@@ -76,7 +76,8 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import INTERPRETING, bits_of, last_to_finish, now_ns, signal_add_to, wait_all_ge, wait_live_ge
+from ..shmem import (INTERPRETING, any_thread, bits_of, last_to_finish, now_ns, signal_add_to, wait_all_ge,
+                     wait_live_ge)
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
@@ -193,7 +194,7 @@ def _wait(flags, world, target, live_peers, rank, timeout_ns, status, tag, clock
         live = _peer(live_peers, 0, rank, world, tl.int32)
         reached, late = wait_live_ge(flags, world, target, live, timeout_ns, clock, WORLD_PAD)
         _mark_dead(live_peers, late, world, WORLD_PAD)
-        ok = tl.load(live + rank, volatile=True) != 0
+        ok = not any_thread(tl.load(live + rank, volatile=True) == 0)
         if not ok:
             tl.store(status + STATUS_EVICTED, 1)
     else:
@@ -213,8 +214,8 @@ def _mark_dead(live_peers, late, world, WORLD_PAD: tl.constexpr):
 @triton.jit
 def _agree(word, use, reached, ELASTIC: tl.constexpr):
     """The ranks whose rows a receive launch reads: with ELASTIC, the `reached` of its first program to
-    get here, kept in its slot's word as (use << 32) | bits, so that every program reads the same ranks
-    even where a late rank's signal lands between their waits."""
+    get here (of its first thread), kept in its slot's word as (use << 32) | bits, so that every program
+    and every warp reads the same ranks even where a late rank's signal lands between their waits."""
     if ELASTIC:
         mine = (use.to(tl.int64) << 32) | reached
         seen = tl.atomic_add(word, 0, sem="acquire", scope="gpu")
