@@ -1,7 +1,7 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
     bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--tokens N,N,...] [--sweep] [--breakdown]
-                                                  [--crossover]
+                                                  [--crossover] [--one-object]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
@@ -31,6 +31,9 @@ settings (up to 512 tokens) with device timestamps and prints, per rank, where a
 `--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png. `--crossover` first
 builds an object for the largest --tokens and reports where its eager dispatches of the decode tiles
 stop beating the prefill tiles (EPAllToAll.measure_crossover: the bound of mode "auto" it sets).
+`--one-object` times every setting on one object's size, that of the largest --tokens, as an engine
+sizes its object for its longest batch and then runs decode calls on it (otherwise each setting has an
+object of its own size).
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
@@ -225,18 +228,19 @@ def crossover(max_tokens: int, iters: int) -> int:
     return tokens
 
 
-def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress: Progress) -> dict:
+def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, progress: Progress) -> dict:
+    """One setting: calls of `tokens` tokens per rank on objects for `max_tokens`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
-    ours = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
-    expert_out = torch.randn(ours.experts_per_rank, world * tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ours = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
+    expert_out = torch.randn(ours.experts_per_rank, world * max_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     *_, handle = ours.dispatch(x, ids, weights)
     dispatch = lambda: ours.dispatch(x, ids, weights)             # noqa: E731
     combine = lambda: ours.combine(expert_out, handle)            # noqa: E731
 
-    out = {"tokens": tokens, "programs": dict(ours.protocol.grid),
+    out = {"tokens": tokens, "max_tokens": max_tokens, "programs": dict(ours.protocol.grid),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     progress.step("graphs")
     out["dispatch_graph_us"] = graph_median(dispatch, iters // 4)
@@ -258,7 +262,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
                                                iters // 2)
         out["nccl_combine_us"] = eager_median(lambda: nccl_combine(expert_out, state, tokens), iters // 2)
         progress.step("reference")
-        ref = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP, validate=False, backend="reference")
+        ref = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP, validate=False, backend="reference")
         out["reference_dispatch_us"] = eager_median(lambda: ref.dispatch(x, ids, weights), iters // 4)
         *_, ref_handle = ref.dispatch(x, ids, weights)
         out["reference_combine_us"] = eager_median(lambda: ref.combine(expert_out, ref_handle), iters // 4)
@@ -280,7 +284,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
     ours.destroy()
     if with_breakdown:
         progress.step("breakdown")
-        timed = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
+        timed = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, breakdown(timed, x, ids, weights, expert_out, iters // 2))
         out["breakdown"] = per_rank
@@ -304,7 +308,7 @@ def measure(tokens: int, iters: int, full: bool, with_breakdown: bool, progress:
     return out
 
 
-COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_decode_graph_us",
+COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_decode_graph_us",
            "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us",
            "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
            "dispatch_speedup_vs_nccl",
@@ -364,7 +368,8 @@ def main():
                           sweep="also time 32 to 2048 tokens per rank (graph only) and draw latency.png",
                           breakdown="time each phase of the decode settings with device timestamps",
                           crossover="measure the eager crossover of the decode and prefill tiles on an object for "
-                                    "the largest --tokens (EPAllToAll.measure_crossover)")
+                                    "the largest --tokens (EPAllToAll.measure_crossover)",
+                          **{"one-object": "time every setting on objects sized for the largest --tokens"})
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": []}
@@ -380,7 +385,8 @@ def main():
         plan += [(t, args.iters // 2, False, False) for t in SWEEP if t not in args.tokens]
     for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
         with Progress(f"{tokens} tokens per rank") as p:
-            row = measure(tokens, iters, full, with_breakdown, p)
+            max_tokens = max(tokens, *args.tokens) if args.one_object else tokens
+            row = measure(tokens, max_tokens, iters, full, with_breakdown, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:

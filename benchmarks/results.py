@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_all_to_all import crossover_line  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
-EP_COLUMNS = ["tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_eager_us",
+EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_eager_us",
               "dispatch_host_us", "nccl_dispatch_us", "reference_dispatch_us", "combine_graph_us", "combine_floor_us",
               "combine_x_floor", "combine_eager_us", "combine_host_us", "nccl_combine_us", "reference_combine_us",
               "dispatch_link_GBps", "combine_link_GBps"]

@@ -495,11 +495,20 @@ def _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr
 
 
 @triton.jit
+def _longest(tokens_ptr, ranks, world, WORLD_PAD: tl.constexpr):
+    """The most tokens any rank in `ranks` (bits) sent, of the counts tokens_ptr[0:world] (int32): work
+    items walk that many rows of each source, not max_tokens (a decode call on an object sized for prefill
+    would step through every empty row)."""
+    r = tl.arange(0, WORLD_PAD)
+    return tl.max(tl.load(tokens_ptr + r, mask=(r < world) & _bit(ranks, r), other=0), 0)
+
+
+@triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                          item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
                          layout_chunks, reached, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-                         K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr):
+                         K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, chunk) of the sources in `reached` (bits):
     fan the received chunk out to the rows of its local experts; with the first chunk, keep what combine
     needs."""
@@ -507,11 +516,12 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
-    for item in range(item0, rows_per_expert * chunks, items_step):
-        src_row = item // chunks                       # src * max_tokens + t
+    longest = _longest(tokens_ptr + stage, reached, world, WORLD_PAD)
+    for item in range(item0, world * longest * chunks, items_step):
+        src = item // chunks // longest
+        t = item // chunks % longest
         chunk = item % chunks
-        src = src_row // max_tokens
-        t = src_row % max_tokens
+        src_row = src * max_tokens + t
         if (t < tl.load(tokens_ptr + stage + src)) & _bit(reached, src):
             meta = (stage * max_tokens + src_row) * topk + kk
             ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
@@ -551,17 +561,18 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
 @triton.jit
 def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
                         slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live,
-                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr):
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
     token's local experts, in fp32, k order, stored once into the source rank's combine buffer (for the
     sources in `live`, bits)."""
     rows_per_expert = world * max_tokens
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
-    for item in range(item0, rows_per_expert * chunks, items_step):
-        src_row = item // chunks
-        src = src_row // max_tokens
-        t = src_row % max_tokens
+    longest = _longest(kept_tokens_ptr, live, world, WORLD_PAD)
+    for item in range(item0, world * longest * chunks, items_step):
+        src = item // chunks // longest
+        t = item // chunks % longest
+        src_row = src * max_tokens + t
         if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
             meta = src_row * topk + kk
             ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
@@ -671,7 +682,8 @@ def dispatch_recv_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                              recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
+                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
+                             WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
@@ -693,7 +705,7 @@ def combine_send_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
             world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
@@ -768,7 +780,8 @@ def dispatch_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr,
                              tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS)
+                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
+                             WORLD_PAD)
     _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
             live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
 
@@ -795,7 +808,7 @@ def combine_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
                             slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
             stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
 
