@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from distributed import GPUS, die, run
@@ -289,20 +290,25 @@ def test_ranks_die_and_the_survivors_go_on(graphed, tmp_path):
 
 
 def _back_to_back(rank, world, folder):
-    """Elastic mode with every rank alive, calls back to back at a decode shape (fresh inputs each call,
-    so a row left over from a slot's earlier call shows): each call bit-exact against the oracle."""
-    tokens, hidden, experts, topk = 128, 2048, 8 * world, 4
+    """Elastic mode with every rank alive, calls back to back at a decode shape, the ranks in step (a
+    barrier before each call, inputs made beforehand), so that receives spin while the peers' signals
+    land; fresh inputs every call, so that a row left over from a slot's earlier call shows. Each call
+    bit-exact against the oracle, checked after the last."""
+    tokens, hidden, experts, topk, calls = 128, 2048, 8 * world, 4, 24
     ep = EPAllToAll(tokens, hidden, experts, topk, fp8_group=GROUP, elastic=True, timeout_s=60.0)
+    inputs = [[make_inputs(r, [tokens] * world, hidden, experts, topk, seed=n, drop=0.1) for r in range(world)]
+              for n in range(calls)]
+    mine = [[t.cuda() for t in call[rank]] for call in inputs]
     results = []
-    for n in range(16):
-        inputs = [make_inputs(r, [tokens] * world, hidden, experts, topk, seed=n, drop=0.1) for r in range(world)]
-        *out, handle = ep.dispatch(*(t.cuda() for t in inputs[rank]))
+    for n in range(calls):
+        dist.barrier()
+        *out, handle = ep.dispatch(*mine[n])
         y = ep.combine(expert_fn(out[0], out[1], GROUP, torch.bfloat16), handle)
-        results.append(([t.cpu() for t in out], SimpleNamespace(recv_src=handle.recv_src.cpu(),
-                                                                lost=handle.lost.cpu()), y.cpu(), inputs))
-    for n, (out, handle, y, inputs) in enumerate(results):
+        results.append(([t.clone() for t in out], handle.recv_src.clone(), handle.lost.clone(), y.clone()))
+    for n, (out, recv_src, lost, y) in enumerate(results):
+        handle = SimpleNamespace(recv_src=recv_src.cpu(), lost=lost.cpu())
         try:
-            check(rank, world, experts, tokens, out + [handle], y, inputs, range(world), set())
+            check(rank, world, experts, tokens, [t.cpu() for t in out] + [handle], y, inputs[n], range(world), set())
         except AssertionError as error:
             raise AssertionError(f"call {n}: {error}") from error
     ep.destroy()
@@ -311,7 +317,7 @@ def _back_to_back(rank, world, folder):
 @pytest.mark.gpu
 def test_every_row_read_in_calls_back_to_back(tmp_path):
     """Every warp of a receive reads the same ranks: a wait's warps used to leave their spin loop in
-    different polls when a signal landed between their loads, so that a scalar's shared-memory handover
+    different polls when a signal landed between their loads, so that a scalar's shared-memory hand-over
     later paired the wrong barriers and some warps skipped their part of a few rows (on one H200, 4
-    ranks at this shape: a few rows wrong in most calls)."""
+    ranks: this test failed at its first call)."""
     run(_back_to_back, GPU_WORLD, str(tmp_path), gpu=True, timeout=300)
