@@ -289,7 +289,7 @@ def test_ranks_die_and_the_survivors_go_on(graphed, tmp_path):
           f"{GPU_TIMEOUT_S}); rank 0 completed {reports[0]['calls']} calls, {AFTER} after the last death")
 
 
-def _back_to_back(rank, world, folder):
+def _back_to_back(rank, world):
     """Elastic mode with every rank alive, calls back to back at a decode shape, the ranks in step (a
     barrier before each call, inputs made beforehand), so that receives spin while the peers' signals
     land; fresh inputs every call, so that a row left over from a slot's earlier call shows. Each call
@@ -315,9 +315,9 @@ def _back_to_back(rank, world, folder):
 
 
 @pytest.mark.gpu
-def test_every_row_read_in_calls_back_to_back(tmp_path):
+def test_every_row_read_in_calls_back_to_back():
     """Every warp of a receive reads the same ranks: a wait's warps used to leave their spin loop in
     different polls when a signal landed between their loads, so that a scalar's shared-memory hand-over
     later paired the wrong barriers and some warps skipped their part of a few rows (on one H200, 4
     ranks: this test failed at its first call)."""
-    run(_back_to_back, GPU_WORLD, str(tmp_path), gpu=True, timeout=300)
+    run(_back_to_back, GPU_WORLD, gpu=True, timeout=300)
