@@ -308,10 +308,10 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
     return out
 
 
-COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_decode_graph_us",
-           "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us",
-           "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
-           "dispatch_speedup_vs_nccl",
+COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor",
+           "dispatch_decode_graph_us", "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us",
+           "dispatch_prefill_eager_us", "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us",
+           "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl",
            "combine_graph_us", "combine_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us",
            "combine_front_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
            "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
