@@ -11,7 +11,7 @@ every column below for each; 24 s on one H200 with a warm compile cache (--token
   graph     a CUDA graph of 10 back-to-back calls, replayed after a barrier; median time / 10
             (dispatch: of mode "auto", and of "decode" and "prefill" each, where the crossover shows)
   eager     one call after a barrier, CUDA events; median (dispatch: of mode "auto", and of each mode)
-  host      CPU time from entering a call to its return, with the GPU busy; median
+  host      CPU time from entering a call to its return, with the GPU busy; median of 200, warm-up excluded
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
             handle, views); host - front is what the launches cost
   kernels   mean device time of our kernels per call (one launch, or send and receive), from the profiler
@@ -83,10 +83,13 @@ def eager_median(fn, iters: int) -> float:
     return median_us(fn, iters, 1, before=barrier)
 
 
-def host_median(fn, iters: int = 20) -> float:
-    """Median CPU microseconds of fn() while the GPU is still busy with earlier work (no call may wait)."""
+def host_median(fn, iters: int = 200, warmup: int = 5) -> float:
+    """Median CPU microseconds of fn() while the GPU is still busy with earlier work (no call may wait), over
+    `iters` calls after `warmup` untimed ones (warm-up excluded, as for the GPU timings)."""
     barrier()
-    torch.cuda._sleep(50_000_000)                  # ~25 ms of GPU work ahead of the calls
+    torch.cuda._sleep(100_000_000)                 # ~50 ms of GPU work ahead of the calls
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(iters):
         start = time.perf_counter()

@@ -13,6 +13,7 @@ hooks out while none is set, ``launch_hooks``):
                        peers=table, timeout_ns=10**10, FP8=True, num_warps=4)
     send(x, x.shape[0])           # first call per specialization: compiles (or finds) the kernel, then
     send(x2, x2.shape[0])         # like every later call, the compiled launcher, on the current stream
+    send(x3, 3, programs=40)      # 40 programs (at most the bound grid) for a call with less work
 
 Under the Triton interpreter every call takes the usual path.
 """
@@ -57,6 +58,15 @@ def resident_programs(compiled, device) -> int:
     return min(by_registers, by_threads, by_shared, 32)
 
 
+def unspecialized(fn) -> set[str]:
+    """The arguments of `fn` named in its ``do_not_specialize`` (by name or index): its compiled code is the
+    same for every value of those. The interpreter's stand-in keeps the decorator's arguments apart."""
+    names = getattr(fn, "do_not_specialize", None)
+    if names is None:
+        names = getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return {fn.arg_names[n] if isinstance(n, int) else n for n in names}
+
+
 def launch_hooks():
     """Triton's launch hooks (enter, exit), or (None, None) while neither holds a hook. Triton keeps
     them as chains that exist even when empty, and a launch given the chains builds its launch
@@ -89,29 +99,36 @@ class BoundKernel:
             raise TypeError(f"{fn.__name__}: unknown arguments {sorted(unknown)}, missing {sorted(missing)}")
         self._template = [_address(arguments.get(name)) for name in names]   # self.fixed keeps the tensors alive
         self._positions = [names.index(name) for name in self.varying]
+        # whether the compiled kernel depends on each varying value (not for an int in do_not_specialize)
+        self._keyed = [name not in unspecialized(fn) for name in self.varying]
         self._compiled = {}        # specialization key -> (compiled kernel, grid)
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
-    def __call__(self, *values) -> None:
+    def __call__(self, *values, programs: int | None = None) -> None:
+        """Launch with these values of `varying` on the bound grid, or on `programs` programs if fewer."""
         if INTERPRETING:
-            self.fn[(self.grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
+            grid = self.grid if programs is None else min(programs, self.grid)
+            self.fn[(grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
             return
-        args, key = self._template.copy(), []
-        for position, value in zip(self._positions, values):
+        args, key = self._template.copy(), []       # key: what each value's specialization depends on, flat
+        for position, keyed, value in zip(self._positions, self._keyed, values):
             if isinstance(value, torch.Tensor):
                 address = value.data_ptr()
-                key.append((value.dtype, address % 16 == 0))
-                args[position] = address
+                key.append(value.dtype)
+                key.append(address % 16 == 0)
+                value = address
             elif isinstance(value, TensorDescriptor):        # the compiled launcher unpacks it
                 key.append(_descriptor_key(value))
-                args[position] = value
-            else:
-                key.append((value == 1, value % 16 == 0))
-                args[position] = value
+            elif keyed:                                      # an int
+                key.append(value == 1)
+                key.append(value % 16 == 0)
+            args[position] = value
         found = self._compiled.get(tuple(key))
         if found is None:
             found = self._compiled[tuple(key)] = self._compile(dict(zip(self.varying, values)))
         compiled, grid = found
+        if programs is not None and programs < grid:
+            grid = programs
         stream = torch._C._cuda_getCurrentRawStream(self._device)
         on_enter, on_exit = launch_hooks()
         metadata = compiled.launch_metadata((grid, 1, 1), stream, *args) if on_enter is not None else None

@@ -119,6 +119,19 @@ def test_crossover_is_the_largest_size_where_decode_wins():
     assert crossover_tokens(sizes, [15.0, 16.0, 18.0, 30.0], [15.0, 12.0, 14.0, 16.0]) == 0     # a tie: prefill
 
 
+def test_send_grids_follow_the_call():
+    """An object for 1024 tokens (H 256: one work item a token, top-4 of 16 experts: 4096 ids, so its layout
+    sorts chunks of 1024 ids) on 4 SMs. A call whose ids fit one chunk compares them, with 8 programs of 2
+    experts, and one with more takes a program per chunk; the send kernels get those and a program per token
+    (up to 5 an SM, 10 with the prefill tiles), combine's receive a program per token (up to 8 an SM, at
+    least one)."""
+    ep = EPAllToAll.simulated(1, 1024, 256, 16, 4, num_sms=4)[0]
+    assert ep.protocol.grid["dispatch_send"] == 20 + 8 and ep.protocol.grid["dispatch_send_prefill"] == 40 + 8
+    shapes = {t: tuple(ep.protocol.call_shape(t)) for t in (0, 3, 256, 257, 1024)}
+    assert shapes == {0: (8, 8, 8, 1), 3: (8, 11, 11, 3), 256: (8, 28, 48, 32), 257: (2, 22, 42, 32),
+                      1024: (4, 24, 44, 32)}
+
+
 def test_measure_crossover_needs_a_cuda_device():
     ep = EPAllToAll.simulated(1, 8, 256, 8, 2)[0]
     with pytest.raises(ValueError, match="measure_crossover times kernels on a CUDA device; this EPAllToAll runs "
@@ -144,7 +157,7 @@ from moe_ep.launcher import BoundKernel
 TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
          torch.float32: "*fp32", torch.int8: "*i8"}
 
-def compile_once(self, *values):
+def compile_once(self, *values, programs=None):
     arguments = {**self.fixed, **dict(zip(self.varying, values))}
     signature, constants = {}, {}
     for i, param in enumerate(self.fn.params):

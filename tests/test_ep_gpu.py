@@ -105,10 +105,11 @@ def test_back_to_back_calls(world):
 def _prefill_sized(rank, world):
     """Calls of more than ONE_LAUNCH_TOKENS tokens: "auto" and "prefill" take the send and receive kernels
     bound with the prefill tiles (a second, partly masked chunk of a 7168-column row), "decode" the one
-    launch at any size; ranks mix the modes in one call."""
+    launch at any size; ranks mix the modes in one call. The object's layout sorts chunks of 1024 ids; calls
+    of at most 128 tokens compare theirs instead (at 150, ranks of 150 tokens sort, ranks of 50 compare)."""
     max_tokens = ONE_LAUNCH_TOKENS + 88
     ep = EPAllToAll(max_tokens, 7168, 64, 8)
-    for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens, 300]):
+    for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens, 300, 150]):
         counts = [max(tokens - 100, 0) if (i + r) % 2 else tokens for r in range(world)]
         check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1,
                    mode=MODES[(i + rank) % len(MODES)])

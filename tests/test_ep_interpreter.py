@@ -45,9 +45,9 @@ def test_kernels_in_the_interpreter(case):
 @pytest.mark.parametrize("case,chunk_ids", [(2, 4), (4, 4), (4, 1024)])
 def test_layout_in_sorted_chunks(case, chunk_ids, monkeypatch):
     """The layout of large calls (sorted chunks of ids, summed up by the last layout program) on small ones:
-    in chunks of 4 ids a call's hits of an expert span chunks, the last layout program sums many chunks
-    up, and some calls have fewer chunks than the send has layout programs; in chunks of 1024 one chunk
-    holds every call."""
+    in chunks of 4 ids a call's hits of an expert span chunks and the last layout program sums many chunks
+    up, while calls of one token or none, whose ids fit one chunk, compare them with the experts on the
+    same slots; in chunks of 1024 every call compares, on an object whose layout could sort."""
     monkeypatch.setattr(low_latency, "COMPARE_IDS", 0)
     monkeypatch.setattr(low_latency, "LAYOUT_IDS", chunk_ids)
     check_calls(*CASES[case])
@@ -112,9 +112,9 @@ def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
     launched = []
     launch = launcher.BoundKernel.__call__
 
-    def recorded(kernel, *values):
+    def recorded(kernel, *values, programs=None):
         launched.append((kernel.fn.__name__, kernel.fixed.get("BLOCK_GROUPS")))
-        launch(kernel, *values)
+        launch(kernel, *values, programs=programs)
 
     monkeypatch.setattr(launcher.BoundKernel, "__call__", recorded)
     with pytest.raises(ValueError, match="mode must be one of"):

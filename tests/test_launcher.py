@@ -84,9 +84,37 @@ def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
     assert len(compilations) == 4
     launches = [launch for c in {id(c): c for c in kernel._compiled.values()}.values() for launch in c[0].launches]
     assert {launch[:2] for launch in launches} == {(40, 7)}             # 4 programs an SM x 10 SMs
-    first = kernel._compiled[((torch.float32, True), (False, False))][0].launches[0]
+    first = kernel._compiled[torch.float32, True, False, False][0].launches[0]
     assert first[2] == (x.data_ptr(), 5, peers.data_ptr(), 3, 64)
     assert first[3:] == (None, None, None)                            # no launch hook set: none passed
+
+
+@triton.jit(do_not_specialize=["n"])
+def _unspecialized(x_ptr, n, peers, scale, BLOCK: tl.constexpr):
+    pass
+
+
+def test_bound_kernel_takes_fewer_programs_per_call_and_keys_only_what_triton_specializes(monkeypatch):
+    """programs= launches that many programs, never more than the (resident) grid; an int in the kernel's
+    do_not_specialize takes no part in the specialization key, so its values share one compilation."""
+    monkeypatch.setattr(launcher, "INTERPRETING", False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    compilations = []
+
+    def warmup(**arguments):
+        compilations.append(arguments)
+        return Compiled(registers=124)
+
+    monkeypatch.setattr(_unspecialized, "warmup", warmup)
+    kernel = launcher.BoundKernel(_unspecialized, 1000, ("x_ptr", "n"), resident_on=10, peers=torch.zeros(1),
+                                  scale=3, BLOCK=64)
+    x = torch.zeros(64)
+    for n, programs in ((1, None), (16, 12), (5, 39), (7, 41), (0, 1)):
+        kernel(x, n, programs=programs)
+    assert len(compilations) == 1
+    launches = kernel._compiled[torch.float32, True][0].launches
+    assert [(grid, args[1]) for grid, _, args, *_ in launches] == [(40, 1), (12, 16), (39, 5), (40, 7), (1, 0)]
 
 
 def test_bound_kernel_passes_launch_hooks_once_one_is_set(monkeypatch):

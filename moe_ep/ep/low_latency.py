@@ -15,7 +15,7 @@ from ..kernels import all_to_all as kernels
 from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED
 from ..runtime import CommTimeoutError
 from ..shmem import INTERPRETING
-from .protocol import EPConfig, EPResources, KernelProtocol
+from .protocol import CallShape, EPConfig, EPResources, KernelProtocol
 
 SLOTS = kernels.NUM_SLOTS
 
@@ -39,7 +39,8 @@ CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB
 # (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
-DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call")   # what a dispatch launch passes per call
+# What a dispatch launch passes per call (layout_blocks: its layout programs, ``layout_blocks``).
+DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
 COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
 # flight per program.
@@ -50,7 +51,8 @@ COMBINE_RECV_COLUMNS = 4096
 # work where the compare is O(ids x experts) (at 4096 tokens, top-8 of 256 experts on one H200, the compare's
 # layout alone took 56 us; with sorted chunks the whole send takes 43: benchmarks/NOTES.md). A larger chunk
 # costs its program more steps (a bitonic sort of n ids takes log2(n) (log2(n) + 1) / 2), a smaller one
-# leaves more chunks for the last program to sum up.
+# leaves more chunks for the last program to sum up. A call whose ids fit one chunk compares, whatever the
+# object's size: a decode call on an object sized for prefill skips the sort and the sum-up.
 # The positions a rank sends are per chunk: every rank's receive knows the senders' chunks from the config.
 COMPARE_IDS, COMPARE_TILE = 2048, 2048
 LAYOUT_IDS = 1024
@@ -137,18 +139,30 @@ def layout_chunks(config: EPConfig) -> int:
     return triton.cdiv(config.max_tokens * config.topk, chunk_ids(config))
 
 
+def experts_block(config: EPConfig) -> int:
+    """Experts a layout program compares with a chunk's ids at once (COMPARE_TILE ids x experts)."""
+    return min(triton.next_power_of_2(config.num_experts), max(1, COMPARE_TILE // chunk_ids(config)))
+
+
+def layout_blocks(config: EPConfig, tokens: int) -> int:
+    """Layout programs of a call of `tokens` tokens: a block of experts each where its ids fit one chunk
+    (compared), else one per chunk of its ids (sorted); at least one, which sends the token count."""
+    ids, chunk = tokens * config.topk, chunk_ids(config)
+    if ids <= chunk:
+        return triton.cdiv(config.num_experts, experts_block(config))
+    return triton.cdiv(ids, chunk)
+
+
 def layout_arguments(config: EPConfig) -> tuple[dict, dict]:
-    """The layout's arguments (kernels.all_to_all._dispatch_layout): those of the send kernels (with
-    `layout_blocks`, their layout programs), and those of the receive kernels."""
+    """The layout's constant arguments (kernels.all_to_all._dispatch_layout): those of the send kernels,
+    and those of the receive kernels."""
     chunks, ids, experts = layout_chunks(config), chunk_ids(config), triton.next_power_of_2(config.num_experts)
     receive = dict(layout_chunks=chunks, CHUNK_IDS=ids)
+    send = dict(receive, COMPARE=compares(config), EXPERTS_BLOCK=experts_block(config))
     if compares(config):
-        block = min(experts, max(1, COMPARE_TILE // ids))
-        return dict(receive, layout_blocks=triton.cdiv(config.num_experts, block), COMPARE=True, EXPERTS_BLOCK=block,
-                    NUM_BINS=1, SCAN_CHUNKS=1, SCAN_EXPERTS=1), receive
+        return dict(send, NUM_BINS=1, SCAN_CHUNKS=1, SCAN_EXPERTS=1), receive
     scan = min(SCAN_CHUNKS, triton.next_power_of_2(chunks))
-    return dict(receive, layout_blocks=chunks, COMPARE=False, EXPERTS_BLOCK=1,
-                NUM_BINS=triton.next_power_of_2(config.num_experts + 1), SCAN_CHUNKS=scan,
+    return dict(send, NUM_BINS=triton.next_power_of_2(config.num_experts + 1), SCAN_CHUNKS=scan,
                 SCAN_EXPERTS=min(experts, SCAN_TILE // scan)), receive
 
 
@@ -172,17 +186,20 @@ class LowLatency(KernelProtocol):
         status = torch.zeros(EP_STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._words = status.numpy()                  # written by the kernels, read by the host
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
-        chunks = triton.cdiv(H, CHUNK_COLUMNS)
         self.send_layout, self.receive_layout = layout_arguments(config)
-        layout = self.send_layout["layout_blocks"]                  # layout programs
-        work = {"dispatch_send": T * chunks, "dispatch_recv": W * T * chunks,
-                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS),
-                "combine_recv": T * triton.cdiv(H, COMBINE_RECV_COLUMNS)}
+        self._layouts = layout = max(layout_blocks(config, 0), layout_blocks(config, T))   # the most of a call
+        # work items per token of this rank's (dispatch_send, combine_recv) or of the longest source's
+        self._items = {"dispatch_send": triton.cdiv(H, CHUNK_COLUMNS),
+                       "dispatch_send_prefill": triton.cdiv(H, PREFILL_CHUNK_COLUMNS),
+                       "combine_recv": triton.cdiv(H, COMBINE_RECV_COLUMNS)}
+        work = {"dispatch_send": T * self._items["dispatch_send"], "dispatch_recv": W * T * self._items["dispatch_send"],
+                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * self._items["combine_recv"]}
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
         grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
-        prefill_chunks = triton.cdiv(H, PREFILL_CHUNK_COLUMNS)
-        for name, items in (("dispatch_send", T * prefill_chunks), ("dispatch_recv", W * T * prefill_chunks)):
+        prefill_items = {"dispatch_send": T * self._items["dispatch_send_prefill"],
+                         "dispatch_recv": W * T * self._items["dispatch_send_prefill"]}
+        for name, items in prefill_items.items():
             grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
         grid["dispatch_send"] += layout
         grid["dispatch_send_prefill"] += layout
@@ -197,6 +214,17 @@ class LowLatency(KernelProtocol):
         self.live = symmetric_zeros((W,), torch.int32).fill_(1)
         self.lost_experts = self.local((S, T, config.topk), torch.int8)
         self.publish(kernels.DISPATCH_PEERS, kernels.COMBINE_PEERS)
+
+    def call_shape(self, tokens: int) -> CallShape:
+        """The layout programs of a call of `tokens` tokens (``layout_blocks``); its send kernels get them and
+        a program per work item of its tokens, its combine receive a program per work item, up to the bound
+        grids. The receive of a dispatch and the send of a combine work on what the peers sent, unknown
+        here: their grids stay bound."""
+        layout, items, grid = layout_blocks(self.config, tokens), self._items, self.grid
+        send = {name: layout + min(grid[name] - self._layouts, tokens * items[name])
+                for name in ("dispatch_send", "dispatch_send_prefill")}
+        return CallShape(layout, send["dispatch_send"], send["dispatch_send_prefill"],
+                         min(grid["combine_recv"], max(1, tokens * items["combine_recv"])))
 
     def reported(self) -> bool:
         """A timeout, an out-of-range expert id, or this rank masked by its peers: reads of pinned memory."""

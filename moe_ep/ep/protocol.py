@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -37,8 +37,9 @@ MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProt
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether work on `device`'s current stream is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether work on `device`'s current stream is being captured into a CUDA graph (what
+    torch.cuda.is_current_stream_capturing asks, without its wrapper: this runs in every eager call)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def crossover_tokens(sizes, decode_us, prefill_us) -> int:
@@ -94,6 +95,16 @@ class EPResources:
     sms: int = 1                           # SMs a grid may fill, the same on every rank
     one_launch: bool = True                # calls without a receive hook may run both phases in one launch
                                            # (not with several ranks on a GPU: see kernels.all_to_all)
+
+
+class CallShape(NamedTuple):
+    """What a KernelProtocol launches for a call of some number of tokens: the kernels whose work is this
+    rank's own tokens get grids for those tokens (up to their bound grids), so that a decode call on an
+    object sized for prefill starts no programs without work."""
+    layout_blocks: int         # dispatch's layout programs
+    send: int                  # programs of dispatch's send kernel with the decode tiles
+    prefill_send: int          # the same with the prefill tiles
+    combine_recv: int          # programs of combine's receive kernel
 
 
 class EPProtocol:
@@ -153,7 +164,8 @@ class KernelProtocol(EPProtocol):
     ``live_table``) and bind in ``connect`` the launches of each phase: `_dispatch_send`, `_dispatch_recv`
     (per slot), `_combine_send` (per slot and dispatch slot), `_combine_recv` (per slot and dispatch slot),
     of both phases at once: `_dispatch` (per slot), `_combine` (per slot and dispatch slot), and
-    `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles.
+    `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles; and say in
+    ``call_shape`` what a call of some number of tokens launches.
     """
 
     kernel_names: tuple[str, ...] = ()
@@ -177,7 +189,19 @@ class KernelProtocol(EPProtocol):
         self._unstamped = self.stamps.clone()
         self._unstamped[:, 0] = torch.iinfo(torch.int64).max
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}     # (buffer, slot, tokens) -> a call's rows
+        self._shapes: dict[int, CallShape] = {}           # tokens -> call_shape(tokens), made once
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
+
+    def call_shape(self, tokens: int) -> CallShape:
+        """What a call of `tokens` tokens launches (the subclass's grids)."""
+        raise NotImplementedError
+
+    def _shape(self, tokens: int) -> CallShape:
+        """call_shape(tokens), made once per token count: a call pays a dictionary lookup."""
+        shape = self._shapes.get(tokens)
+        if shape is None:
+            shape = self._shapes[tokens] = self.call_shape(tokens)
+        return shape
 
     def local(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -262,9 +286,10 @@ class KernelProtocol(EPProtocol):
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
-        if self.one_launch and not self._prefill_tiles(x.shape[0], mode):
+        tokens = x.shape[0]
+        if self.one_launch and not self._prefill_tiles(tokens, mode):
             self.reset_stamps("dispatch")
-            self._dispatch[slot](x, topk_ids, topk_weights, x.shape[0], call)
+            self._dispatch[slot](x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
             return
         self.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
         self.dispatch_recv(slot)
@@ -285,10 +310,12 @@ class KernelProtocol(EPProtocol):
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
         self.reset_stamps("dispatch")
-        send, recv = self._prefill if self._prefill_tiles(x.shape[0], mode) else (self._dispatch_send,
-                                                                                  self._dispatch_recv)
+        tokens = x.shape[0]
+        prefill, shape = self._prefill_tiles(tokens, mode), self._shape(tokens)
+        send, recv = self._prefill if prefill else (self._dispatch_send, self._dispatch_recv)
         self._receivers[slot] = recv[slot]
-        send[slot](x, topk_ids, topk_weights, x.shape[0], call)
+        send[slot](x, topk_ids, topk_weights, tokens, call, shape.layout_blocks,
+                   programs=shape.prefill_send if prefill else shape.send)
 
     def dispatch_recv(self, slot: int) -> None:
         self._receivers[slot]()
@@ -307,7 +334,8 @@ class KernelProtocol(EPProtocol):
         self._combine_send[slot, dispatch_slot](expert_out)
 
     def combine_recv(self, slot: int, dispatch_slot: int, out, topk_ids, num_tokens: int) -> None:
-        self._combine_recv[slot, dispatch_slot](out, topk_ids, num_tokens)
+        self._combine_recv[slot, dispatch_slot](out, topk_ids, num_tokens,
+                                                programs=self._shape(num_tokens).combine_recv)
 
     # --------------------------------------------------------------------- timing
 

@@ -416,13 +416,14 @@ def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_token
                      experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE: tl.constexpr,
                      CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
                      SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr, VALIDATE: tl.constexpr):
-    """Layout block `block` of `layout_blocks`. With COMPARE (a call of max_tokens has few ids: one chunk of
-    CHUNK_IDS), a block of EXPERTS_BLOCK experts compared with every id (``_layout_by_compare``). Otherwise
-    one block per chunk a call of max_tokens can have: its chunk, if the call has one (``_layout_chunk``);
-    the last block to finish sums the chunks up (``_layout_offsets``) and rearms the count of finished
-    blocks. Where this program's wait failed (`ok` False) it only counts itself finished, so that the count
-    stays right for the next launch."""
-    if COMPARE:
+    """Layout block `block` of `layout_blocks` (the host picks the count per call, ``low_latency.layout_blocks``).
+    Where the call's ids fit one chunk of CHUNK_IDS (always with COMPARE: a call of max_tokens has that few),
+    a block of EXPERTS_BLOCK experts compared with every id (``_layout_by_compare``): one step, and chunk 0's
+    offsets are 0 whichever way they were written. Otherwise one block per chunk of the call's ids
+    (``_layout_chunk``); the last block to finish sums the chunks up (``_layout_offsets``) and rearms the
+    count of finished blocks. Where this program's wait failed (`ok` False) it only counts itself finished,
+    so that the count stays right for the next launch."""
+    if COMPARE or num_tokens * topk <= CHUNK_IDS:
         if ok:
             _layout_by_compare(ids_ptr, peers, status, block, stage, num_tokens, call, world, max_tokens, topk,
                                experts_per_rank, num_experts, live, EXPERTS_BLOCK, CHUNK_IDS, VALIDATE)
