@@ -170,6 +170,7 @@ class KernelProtocol(EPProtocol):
 
     kernel_names: tuple[str, ...] = ()
     stamp_names: tuple[str, ...] = ()
+    one_wave: tuple[str, ...] = ()       # split kernels whose grid is cut to what the SMs hold at once
 
     def _start(self, status: torch.Tensor, grid: dict[str, int], sms: int) -> None:
         """Program state, all int64: per kernel of `grid` (name -> programs: the names of kernel_names,
@@ -229,11 +230,13 @@ class KernelProtocol(EPProtocol):
         """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps:
         those of its phase, or for a one-launch kernel ("dispatch", "combine") its two phases' rows, the
         send row first (the kernel reaches the receive row by its offset), and a grid that fits on the
-        SMs at once: its programs wait for each other between the phases."""
+        SMs at once: its programs wait for each other between the phases. A phase of `one_wave` gets such a
+        grid too."""
         phase = name.removesuffix("_prefill")          # a split kernel bound with other tiles: the same phase
         one_launch = phase not in self.kernel_names
         row = self.kernel_names.index(f"{phase}_send" if one_launch else phase)
-        return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if one_launch else None, slot=slot,
+        resident = one_launch or phase in self.one_wave
+        return BoundKernel(fn, self.grid[name], varying, resident_on=self.sms if resident else None, slot=slot,
                            clock_ptr=self.clocks[name], finished_ptr=self.finished[row], uses_ptr=self.uses[row],
                            stamps_ptr=self.stamps[row], agreed_ptr=self.agreed[row], live_peers=self.live_peers,
                            **self.common_arguments(), **arguments)
