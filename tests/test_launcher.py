@@ -55,10 +55,9 @@ class Compiled:
         self.launches.append((grid_x, stream, args, metadata, enter, exit))
 
 
-def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
-    """Fixed arguments once (tensors as addresses), the varying ones per call; one compilation per
-    specialization (dtype and 16-byte alignment of a tensor, an int being 1 or a multiple of 16); a
-    resident grid cut to what the SMs hold."""
+def compiled_path(monkeypatch, kernel) -> list:
+    """BoundKernel's compiled path on an H100 stand-in, stream 7, with `kernel`'s compilations recorded
+    (each a Compiled of 124 registers: 4 programs an SM); returns the list they are appended to."""
     monkeypatch.setattr(launcher, "INTERPRETING", False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
@@ -68,7 +67,15 @@ def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
         compilations.append(arguments)
         return Compiled(registers=124)
 
-    monkeypatch.setattr(_kernel, "warmup", warmup)
+    monkeypatch.setattr(kernel, "warmup", warmup)
+    return compilations
+
+
+def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
+    """Fixed arguments once (tensors as addresses), the varying ones per call; one compilation per
+    specialization (dtype and 16-byte alignment of a tensor, an int being 1 or a multiple of 16); a
+    resident grid cut to what the SMs hold."""
+    compilations = compiled_path(monkeypatch, _kernel)
     peers = torch.arange(4, dtype=torch.int64)
     kernel = launcher.BoundKernel(_kernel, 1000, ("x_ptr", "n"), resident_on=10, peers=peers, scale=3,
                                   BLOCK=64, num_warps=4)
@@ -97,16 +104,7 @@ def _unspecialized(x_ptr, n, peers, scale, BLOCK: tl.constexpr):
 def test_bound_kernel_takes_fewer_programs_per_call_and_keys_only_what_triton_specializes(monkeypatch):
     """programs= launches that many programs, never more than the (resident) grid; an int in the kernel's
     do_not_specialize takes no part in the specialization key, so its values share one compilation."""
-    monkeypatch.setattr(launcher, "INTERPRETING", False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    compilations = []
-
-    def warmup(**arguments):
-        compilations.append(arguments)
-        return Compiled(registers=124)
-
-    monkeypatch.setattr(_unspecialized, "warmup", warmup)
+    compilations = compiled_path(monkeypatch, _unspecialized)
     kernel = launcher.BoundKernel(_unspecialized, 1000, ("x_ptr", "n"), resident_on=10, peers=torch.zeros(1),
                                   scale=3, BLOCK=64)
     x = torch.zeros(64)

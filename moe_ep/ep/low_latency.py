@@ -39,7 +39,7 @@ CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB
 # (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
-# What a dispatch launch passes per call (layout_blocks: its layout programs, ``layout_blocks``).
+# What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``).
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
 COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
