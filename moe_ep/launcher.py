@@ -100,7 +100,8 @@ class BoundKernel:
         self._template = [_address(arguments.get(name)) for name in names]   # self.fixed keeps the tensors alive
         self._positions = [names.index(name) for name in self.varying]
         # whether the compiled kernel depends on each varying value (not for an int in do_not_specialize)
-        self._keyed = [name not in unspecialized(fn) for name in self.varying]
+        plain = unspecialized(fn)
+        self._keyed = [name not in plain for name in self.varying]
         self._compiled = {}        # specialization key -> (compiled kernel, grid)
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 

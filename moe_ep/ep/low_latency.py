@@ -200,18 +200,17 @@ class LowLatency(KernelProtocol):
         self.send_layout, self.receive_layout = layout_arguments(config)
         self._layouts = layout = max(layout_blocks(config, 0), layout_blocks(config, T))   # the most of a call
         # work items per token of this rank's (dispatch_send, combine_recv) or of the longest source's
-        self._items = {"dispatch_send": triton.cdiv(H, CHUNK_COLUMNS),
-                       "dispatch_send_prefill": triton.cdiv(H, PREFILL_CHUNK_COLUMNS),
-                       "combine_recv": triton.cdiv(H, COMBINE_RECV_COLUMNS)}
-        work = {"dispatch_send": T * self._items["dispatch_send"], "dispatch_recv": W * T * self._items["dispatch_send"],
-                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * self._items["combine_recv"]}
+        self._items = items = {"dispatch_send": triton.cdiv(H, CHUNK_COLUMNS),
+                               "dispatch_send_prefill": triton.cdiv(H, PREFILL_CHUNK_COLUMNS),
+                               "combine_recv": triton.cdiv(H, COMBINE_RECV_COLUMNS)}
+        work = {"dispatch_send": T * items["dispatch_send"], "dispatch_recv": W * T * items["dispatch_send"],
+                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * items["combine_recv"]}
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
-        grid = {name: min(items, PROGRAMS_PER_SM[name] * sms) for name, items in work.items()}
-        prefill_items = {"dispatch_send": T * self._items["dispatch_send_prefill"],
-                         "dispatch_recv": W * T * self._items["dispatch_send_prefill"]}
-        for name, items in prefill_items.items():
-            grid[f"{name}_prefill"] = min(items, PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
+        grid = {name: min(n, PROGRAMS_PER_SM[name] * sms) for name, n in work.items()}
+        for name, rows in (("dispatch_send", T), ("dispatch_recv", W * T)):
+            grid[f"{name}_prefill"] = min(rows * items["dispatch_send_prefill"],
+                                          PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
         grid["dispatch_send"] += layout
         grid["dispatch_send_prefill"] += layout
         if INTERPRETING:            # one program at a time: a second one could never be waited for

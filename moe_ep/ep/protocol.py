@@ -290,11 +290,12 @@ class KernelProtocol(EPProtocol):
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
         tokens = x.shape[0]
-        if self.one_launch and not self._prefill_tiles(tokens, mode):
+        prefill = self._prefill_tiles(tokens, mode)
+        if self.one_launch and not prefill:
             self.reset_stamps("dispatch")
             self._dispatch[slot](x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
             return
-        self.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
+        self._send(slot, x, topk_ids, topk_weights, call, prefill)
         self.dispatch_recv(slot)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> torch.Tensor:
@@ -312,9 +313,14 @@ class KernelProtocol(EPProtocol):
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
+        self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode))
+
+    def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool) -> None:
+        """Dispatch's send kernel with the prefill tiles or the decode tiles, its receive kernel kept for
+        dispatch_recv(slot)."""
         self.reset_stamps("dispatch")
         tokens = x.shape[0]
-        prefill, shape = self._prefill_tiles(tokens, mode), self._shape(tokens)
+        shape = self._shape(tokens)
         send, recv = self._prefill if prefill else (self._dispatch_send, self._dispatch_recv)
         self._receivers[slot] = recv[slot]
         send[slot](x, topk_ids, topk_weights, tokens, call, shape.layout_blocks,

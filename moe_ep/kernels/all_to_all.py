@@ -505,6 +505,15 @@ def _longest(tokens_ptr, ranks, world, WORLD_PAD: tl.constexpr):
 
 
 @triton.jit
+def _source_row(item, chunks, longest, max_tokens):
+    """Work item `item` of (source, row, chunk), `longest` rows a source (``_longest``): its source, its
+    row t, and src * max_tokens + t, the row's place in buffers of max_tokens rows a source."""
+    src = item // chunks // longest
+    t = item // chunks % longest
+    return src, t, src * max_tokens + t
+
+
+@triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                          item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
@@ -519,10 +528,8 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
     num_groups = hidden // GROUP
     longest = _longest(tokens_ptr + stage, reached, world, WORLD_PAD)
     for item in range(item0, world * longest * chunks, items_step):
-        src = item // chunks // longest
-        t = item // chunks % longest
+        src, t, src_row = _source_row(item, chunks, longest, max_tokens)
         chunk = item % chunks
-        src_row = src * max_tokens + t
         if (t < tl.load(tokens_ptr + stage + src)) & _bit(reached, src):
             meta = (stage * max_tokens + src_row) * topk + kk
             ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
@@ -571,9 +578,7 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
     kk = tl.arange(0, K_PAD)
     longest = _longest(kept_tokens_ptr, live, world, WORLD_PAD)
     for item in range(item0, world * longest * chunks, items_step):
-        src = item // chunks // longest
-        t = item // chunks % longest
-        src_row = src * max_tokens + t
+        src, t, src_row = _source_row(item, chunks, longest, max_tokens)
         if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
             meta = src_row * topk + kk
             ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
