@@ -84,12 +84,13 @@ class BoundKernel:
 
     Call it with the values of `varying` (tensors, tensor descriptors or ints), positionally, in that order. With
     `resident_on` SMs given, the grid is cut when the kernel is compiled to what that many SMs hold
-    at once (``resident_programs``), for kernels whose programs wait for each other.
+    at once (``resident_programs``), for kernels whose programs wait for each other or that run fastest
+    in one wave; but not below `fewest` programs (for a kernel whose programs take roles by program id).
     """
 
     def __init__(self, fn: triton.JITFunction, grid: int, varying: Sequence[str], resident_on: int | None = None,
-                 **arguments):
-        self.fn, self.grid, self.varying, self.resident_on = fn, grid, tuple(varying), resident_on
+                 fewest: int = 1, **arguments):
+        self.fn, self.grid, self.varying, self.resident_on, self.fewest = fn, grid, tuple(varying), resident_on, fewest
         self.options = {k: arguments.pop(k) for k in OPTIONS if k in arguments}
         self.fixed = arguments
         names = list(fn.arg_names)
@@ -146,4 +147,4 @@ class BoundKernel:
         if per_sm < 1:
             raise RuntimeError(f"{self.fn.__name__} does not fit on an SM ({compiled.n_regs} registers a thread, "
                                f"{compiled.metadata.shared} bytes of shared memory)")
-        return compiled, min(self.grid, per_sm * self.resident_on)
+        return compiled, min(self.grid, max(per_sm * self.resident_on, self.fewest))

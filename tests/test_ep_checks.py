@@ -123,9 +123,12 @@ def test_send_grids_follow_the_call():
     """An object for 1024 tokens (H 256: one work item a token, top-4 of 16 experts: 4096 ids, so its layout
     sorts chunks of 1024 ids) on 4 SMs. A call whose ids fit one chunk compares them, a program an expert,
     and one with more takes a program per chunk; the send kernels get those and a program per token (up to 5
-    an SM, 10 with the prefill tiles), combine's receive a program per token (up to 8 an SM, at least one)."""
+    an SM, 10 with the prefill tiles), combine's receive a program per token (up to 8 an SM, at least one).
+    Compiled, the send kernels' grids are cut to one wave, but never below the layout programs and a token one."""
     ep = EPAllToAll.simulated(1, 1024, 256, 16, 4, num_sms=4)[0]
     assert ep.protocol.grid["dispatch_send"] == 20 + 16 and ep.protocol.grid["dispatch_send_prefill"] == 40 + 16
+    for send in (ep.protocol._dispatch_send[0], ep.protocol._prefill[0][0]):
+        assert (send.resident_on, send.fewest) == (4, 16 + 1)
     shapes = {t: tuple(ep.protocol.call_shape(t)) for t in (0, 3, 256, 257, 1024)}
     assert shapes == {0: (16, 16, 16, 1), 3: (16, 19, 19, 3), 256: (16, 36, 56, 32), 257: (2, 22, 42, 32),
                       1024: (4, 24, 44, 32)}

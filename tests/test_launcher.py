@@ -115,6 +115,20 @@ def test_bound_kernel_takes_fewer_programs_per_call_and_keys_only_what_triton_sp
     assert [(grid, args[1]) for grid, _, args, *_ in launches] == [(40, 1), (12, 16), (39, 5), (40, 7), (1, 0)]
 
 
+def test_bound_kernel_cuts_its_grid_no_lower_than_fewest(monkeypatch):
+    """A grid cut to one wave keeps `fewest` programs where the SMs hold fewer (a kernel whose programs take
+    roles by program id needs one of each), and never more than the bound grid."""
+    compiled_path(monkeypatch, _kernel)
+    x = torch.zeros(64)
+    for grid, fewest, launched in ((1000, 50, 50), (1000, 30, 40), (45, 50, 45)):
+        kernel = launcher.BoundKernel(_kernel, grid, ("x_ptr", "n"), resident_on=10, fewest=fewest,
+                                      peers=torch.zeros(1), scale=3, BLOCK=64)
+        kernel(x, 5)
+        kernel(x, 5, programs=1000)
+        assert [launch[0] for launch in kernel._compiled[torch.float32, True, False, False][0].launches] == \
+            [launched, launched]
+
+
 def test_bound_kernel_passes_launch_hooks_once_one_is_set(monkeypatch):
     monkeypatch.setattr(launcher, "INTERPRETING", False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)

@@ -35,8 +35,8 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 ONE_LAUNCH_TOKENS = 512
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
-# items and twice the programs: at 4096 tokens on one H200 that cut dispatch from 296 to 200 us
-# (benchmarks/NOTES.md).
+# items and twice the programs, up to one wave (``LowLatency.one_wave``): at 4096 tokens on one H200 that cut
+# dispatch from 296 to 200 us (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 # What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``).
@@ -181,10 +181,13 @@ class LowLatency(KernelProtocol):
     kernel_names = kernels.KERNELS
     stamp_names = kernels.STAMPS
     one_launch_tokens = ONE_LAUNCH_TOKENS
-    # Dispatch's receive in one wave of programs: those of later waves found their rows landed long ago, and
-    # on an object for 4096 tokens on one H200 (48 registers: 10 programs an SM, 1320 of 2112) it took 141.3
-    # against 143.8 us at 4096 tokens and 17.6 against 18.3 at 128 (graph, prefill tiles).
-    one_wave = ("dispatch_recv",)
+    # Dispatch's send and receive in one wave of programs (grids cut to what the SMs hold at once): a program
+    # of a later wave starts only when one of the first wave has done all its items, so a grid of 1.4 waves
+    # takes as long as two. On one H200 (prefill tiles, graph): the receive's cut (48 registers, 10 programs an
+    # SM, 1320 of 2112) took dispatch from 143.8 to 141.3 us at 4096 tokens and from 18.3 to 17.6 at 128; the
+    # send's (72 registers, 7 programs an SM, 924 of 1352) its send phase from 42.5 to 37.8 us at 4096 tokens
+    # and dispatch from 132.7 to 128.0.
+    one_wave = ("dispatch_recv", "dispatch_send")
 
     def __init__(self, config: EPConfig, resources: EPResources):
         """Buffers: symmetric ones from resources.symmetric_zeros(shape, dtype), local ones on its device.
@@ -289,6 +292,7 @@ class LowLatency(KernelProtocol):
             items of `columns` columns."""
             tiles = dict(quantize, BLOCK_GROUPS=columns // group)
             return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
+                               fewest=self._layouts + 1,     # the layout programs of any call, and a token one
                                **send[s], **tiles, **self.send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
                                w_ptr=d.weights, **receive[s], **tiles, **self.receive_layout, **early)

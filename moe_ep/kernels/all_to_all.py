@@ -572,7 +572,11 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
     token's local experts, in fp32, k order, stored once into the source rank's combine buffer (for the
-    sources in `live`, bits)."""
+    sources in `live`, bits).
+
+    The token's k expert rows come in one [K_PAD, BLOCK_H] load, all in flight at once. A load per k
+    (masked, into a running sum) compiled to loads issued one after another, each waiting for the one
+    before (benchmarks/NOTES.md)."""
     rows_per_expert = world * max_tokens
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
@@ -580,21 +584,24 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
     for item in range(item0, world * longest * chunks, items_step):
         src, t, src_row = _source_row(item, chunks, longest, max_tokens)
         if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
-            meta = src_row * topk + kk
+            meta = src_row * topk + kk           # rows -1 and weights 0 where the expert is not local
             ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
-            local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
+            rows = tl.load(kept_row_ptr + meta, mask=kk < topk, other=-1)
+            weights = tl.load(kept_w_ptr + meta, mask=kk < topk, other=0.0)
+            local = rows >= 0
             if tl.max(local.to(tl.int32), 0) > 0:
-                rows = tl.load(kept_row_ptr + meta, mask=local, other=0)
-                experts = tl.where(local, ids - rank * experts_per_rank, 0)
-                weights = tl.load(kept_w_ptr + meta, mask=local, other=0.0)
+                expert_rows = tl.where(local, ids - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + rows
                 cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
                 mask = cols < hidden
+                y = tl.load(y_ptr + expert_rows[:, None] * hidden + cols[None, :],
+                            mask=local[:, None] & mask[None, :], other=0.0)
+                terms = weights[:, None] * y.to(tl.float32)       # +0 in the rows of other ranks' experts
+                # The sum in k order, row by row: the sum of a column of `terms` with -0 in every row but k is
+                # its row k exactly (x + -0 = x), whatever order tl.sum adds in; adding a +0 term leaves the
+                # running sum as it was (it starts at +0, so it is never -0).
                 acc = tl.zeros((BLOCK_H,), tl.float32)
-                for k in tl.static_range(K_PAD):       # k order; the loads are all in flight at once
-                    local_k = _pick(local.to(tl.int32), kk, k) > 0
-                    dst = _pick(experts, kk, k).to(tl.int64) * rows_per_expert + _pick(rows, kk, k)
-                    y = tl.load(y_ptr + dst * hidden + cols, mask=cols < tl.where(local_k, hidden, 0), other=0.0)
-                    acc = tl.where(local_k, acc + _pick(weights, kk, k) * y.to(tl.float32), acc)
+                for k in tl.static_range(K_PAD):
+                    acc += tl.sum(tl.where(kk[:, None] == k, terms, -0.0), 0)
                 out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
                 row = (slot * world + rank).to(tl.int64) * max_tokens + t
                 tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
