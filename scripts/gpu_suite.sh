@@ -6,8 +6,8 @@
 # quick       the gate of every change that runs on a GPU: every GPU test file once, at 2 ranks (shared-GPU
 #             mode on one GPU; elastic EP's at 4), the sweeps at a reduced size, and the one-GPU benchmarks
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
-#             two model shapes at their decode and prefill rows). On one H200: 466 s with a warm compile cache (see
-#             below); cold, about 600 s (benchmarks/NOTES.md, "The quick GPU suite").
+#             two model shapes at their decode and prefill rows). On one H200: 422-466 s with a warm compile cache
+#             (see below); cold, over 575 s (benchmarks/NOTES.md, "The quick GPU suite").
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
