@@ -48,10 +48,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_ep import EPAllToAll, link_copies, random_topk, reference
-from moe_ep.routing import hbm_bytes
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
-                           row_line)
+from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
+from moe_ep.routing import hbm_bytes, link_bytes
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, link_floor_us, markdown_table,
+                           median_us, row_line)
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
@@ -59,6 +59,18 @@ HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # constexpr, so a handful).
 DECODE, PREFILL, SWEEP = (16, 128, 512), 4096, (32, 64, 256, 1024, 2048)
 LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def inputs(tokens: int, max_tokens: int, experts_per_rank: int):
+    """This rank's inputs of a setting, the same in every benchmark that imports this: x [T, H] bf16,
+    topk_ids [T, K] int64, topk_weights [T, K] fp32 (router-like) and the experts' outputs
+    [E_loc, W * max_tokens, H] bf16 that combine reads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
+    ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
+    expert_out = torch.randn(experts_per_rank, world * max_tokens, HIDDEN, generator=g).bfloat16().cuda()
+    return x, ids, weights, expert_out
 
 
 def barrier() -> None:
@@ -231,14 +243,13 @@ def crossover(max_tokens: int, iters: int) -> int:
     return tokens
 
 
-def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, progress: Progress) -> dict:
-    """One setting: calls of `tokens` tokens per rank on objects for `max_tokens`."""
+def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, copy_GBps: float | None,
+            progress: Progress) -> dict:
+    """One setting: calls of `tokens` tokens per rank on objects for `max_tokens`; `copy_GBps` is
+    peer_copy_GBps(), for the floor at the machine's copy rate."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
-    ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
     ours = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
-    expert_out = torch.randn(ours.experts_per_rank, world * max_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    x, ids, weights, expert_out = inputs(tokens, max_tokens, ours.experts_per_rank)
     *_, handle = ours.dispatch(x, ids, weights)
     dispatch = lambda: ours.dispatch(x, ids, weights)             # noqa: E731
     combine = lambda: ours.combine(expert_out, handle)            # noqa: E731
@@ -294,30 +305,93 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
         timed.destroy()
     per_rank_copies, per_expert_copies = link_copies(ids, EXPERTS // world, rank, world)
     token_bytes = HIDDEN + HIDDEN // GROUP * 4
-    out["dispatch_link_MB"] = per_rank_copies * token_bytes / 1e6
     out["dispatch_link_MB_one_copy_per_expert"] = per_expert_copies * token_bytes / 1e6
-    out["combine_link_MB"] = per_rank_copies * HIDDEN * 2 / 1e6
     every_rank = [torch.empty_like(ids) for _ in range(world)]
     dist.all_gather(every_rank, ids)
-    dispatch_bytes, combine_bytes = hbm_bytes(every_rank, rank, EXPERTS // world, HIDDEN, torch.bfloat16, GROUP)
-    out["dispatch_hbm_MB"], out["combine_hbm_MB"] = dispatch_bytes / 1e6, combine_bytes / 1e6
-    for op in ("dispatch", "combine"):
-        out[f"{op}_link_GBps"] = out[f"{op}_link_MB"] * 1e3 / out[f"{op}_graph_us"]
-        floor = floor_us(0, out[f"{op}_hbm_MB"] * 1e6)
-        if floor is not None:
-            out[f"{op}_floor_us"], out[f"{op}_x_floor"] = floor, out[f"{op}_graph_us"] / floor
+    hbm = hbm_bytes(every_rank, rank, EXPERTS // world, HIDDEN, torch.bfloat16, GROUP)
+    link = link_bytes(every_rank, rank, EXPERTS // world, HIDDEN, torch.bfloat16, GROUP)
+    for op, hbm_op, link_op in zip(("dispatch", "combine"), hbm, link):
+        out[f"{op}_hbm_MB"], out[f"{op}_link_MB"] = hbm_op / 1e6, link_op / 1e6
+        out[f"{op}_link_GBps"] = link_op / 1e3 / out[f"{op}_graph_us"]
+        floors = [floor_us(0, hbm_op)]
+        if world > 1:
+            floors.append(link_floor_us(link_op))
+            out[f"{op}_link_floor_us"] = floors[-1]
+            if copy_GBps:
+                out[f"{op}_copy_floor_us"] = link_floor_us(link_op, copy_GBps)
+        out[f"{op}_floor_us"] = floors[0]
+        if None not in floors:
+            out[f"{op}_x_floor"] = out[f"{op}_graph_us"] / max(floors)
         if f"nccl_{op}_us" in out:
             out[f"{op}_speedup_vs_nccl"] = out[f"nccl_{op}_us"] / out[f"{op}_eager_us"]
     return out
 
 
-COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor",
-           "dispatch_decode_graph_us", "dispatch_prefill_graph_us", "dispatch_eager_us", "dispatch_decode_eager_us",
-           "dispatch_prefill_eager_us", "dispatch_host_us", "dispatch_front_us", "dispatch_kernel_us",
-           "nccl_dispatch_us", "reference_dispatch_us", "dispatch_speedup_vs_nccl",
-           "combine_graph_us", "combine_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us",
-           "combine_front_us", "combine_kernel_us", "nccl_combine_us", "reference_combine_us",
-           "combine_speedup_vs_nccl", "dispatch_link_MB", "dispatch_link_GBps", "combine_link_GBps"]
+def peer_copy_GBps(mb_per_peer: int = 64, iters: int = 10) -> float | None:
+    """GB/s leaving this GPU while every rank copies `mb_per_peer` MB to every other rank at once on the
+    copy engines (a stream per peer, after a barrier; median): the rate a link-bound op can hope for on
+    this machine. None on one rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return None
+    size = mb_per_peer << 20
+    runtime.init()
+    landing = runtime.symmetric_empty((world, size), torch.uint8)
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    views = [runtime.peer_tensor(landing, peer)[rank] for peer in range(world) if peer != rank]
+    streams = [torch.cuda.Stream() for _ in views]
+
+    def copy():
+        main = torch.cuda.current_stream()
+        for stream, view in zip(streams, views):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                view.copy_(source, non_blocking=True)
+            main.wait_stream(stream)
+
+    us = median_us(copy, iters, 2, before=barrier)
+    runtime.barrier()
+    runtime.free(landing)
+    return (world - 1) * size / us / 1e3
+
+
+COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_link_floor_us",
+           "dispatch_copy_floor_us", "dispatch_x_floor", "dispatch_decode_graph_us", "dispatch_prefill_graph_us",
+           "dispatch_eager_us", "dispatch_decode_eager_us", "dispatch_prefill_eager_us", "dispatch_host_us",
+           "dispatch_front_us", "dispatch_kernel_us", "nccl_dispatch_us", "reference_dispatch_us",
+           "dispatch_speedup_vs_nccl", "combine_graph_us", "combine_floor_us", "combine_link_floor_us",
+           "combine_copy_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us", "combine_front_us",
+           "combine_kernel_us", "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl",
+           "dispatch_link_MB", "dispatch_link_GBps", "combine_link_MB", "combine_link_GBps"]
+DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
+                                             for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
+
+
+def beside_deepep(rows: list[dict], path: str) -> str:
+    """Merge DeepEP's rows (bench_deepep.py's JSON at `path`: the same inputs and timing, a job of its own)
+    into ours by tokens per rank: each of its times as <op>_<how>_deepep_us, and ours over it as
+    <op>_<how>_vs_deepep (below 1: ours is faster). Returns a line that says what was merged, or why
+    nothing was."""
+    if not os.path.exists(path):
+        return f"DeepEP left out: no {path} (benchmarks/bench_deepep.py writes it; run it first, into the same --out)"
+    with open(path) as f:
+        data = json.load(f)
+    if "unavailable" in data:
+        return f"DeepEP left out: {data['unavailable']}"
+    theirs = {row["tokens"]: row for row in data["settings"]}
+    for row in rows:
+        other = theirs.get(row["tokens"], {})
+        if "mode" in other:
+            row["deepep_mode"] = other["mode"]
+        for key, value in other.items():
+            if key.endswith("_us") and isinstance(value, float):
+                row[key.replace("_us", "_deepep_us")] = value
+                if isinstance(row.get(key), float):
+                    row[key.replace("_us", "_vs_deepep")] = row[key] / value
+    return f"DeepEP {data['version']} beside us ({data['world']}x {data['device']}, {data['date']}): its time " \
+           f"in *_deepep_us, ours over it in *_vs_deepep"
+
+
 PHASES = ("send", "signal", "wait", "recv")
 
 
@@ -376,6 +450,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
     results = {"settings": []}
+    with Progress("peer copies") as p:
+        meta["peer_copy_GBps"] = peer_copy_GBps()
+    if meta["peer_copy_GBps"]:
+        p.report(f"copy engines, every rank to every other at once: {meta['peer_copy_GBps']:.0f} GB/s leave each GPU")
     if args.crossover:
         largest = max(args.tokens)
         with Progress(f"crossover, up to {largest} tokens per rank") as p:
@@ -389,7 +467,7 @@ def main():
     for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
         with Progress(f"{tokens} tokens per rank") as p:
             max_tokens = max(tokens, *args.tokens) if args.one_object else tokens
-            row = measure(tokens, max_tokens, iters, full, with_breakdown, p)
+            row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"], p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
@@ -398,9 +476,16 @@ def main():
             p.report("\n".join([row_line(row, COLUMNS, ".1f"), *breakdown_lines(row)]))
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
+        deepep = beside_deepep(rows, os.path.join(args.out, f"deepep_{world}ranks.json"))
+        with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
+            json.dump({**meta, **results, "deepep": deepep}, f, indent=1)
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
-                f"Times in us (rank 0); speedups are NCCL eager over ours eager; x_floor is graph time over the HBM "
-                f"floor:\n\n{markdown_table(rows, COLUMNS)}\n")
+                f"Times in us (rank 0); speedups are NCCL eager over ours eager; floors: HBM at its peak, the link at "
+                f"its peak and at the measured copy rate ({meta['peer_copy_GBps'] or 0:.0f} GB/s); x_floor is graph "
+                f"time over the larger of HBM's and the link's peak floor:\n\n{markdown_table(rows, COLUMNS)}\n"
+                f"\n{deepep}\n")
+        if any("deepep_mode" in row for row in rows):
+            text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]

@@ -8,7 +8,8 @@ grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
 split into dispatch / experts / combine, eager and replayed from a CUDA graph (experts_floor_us: the
-experts' weights read once and their flops, each at the datasheet peak, timing.floor_us): the NVSHMEM backend
+weights of this rank's experts that received rows, read once, and the flops of the rows this rank received,
+each at the datasheet peak, timing.floor_us): the NVSHMEM backend
 with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is not
 used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
 block itself, all 128 experts on one GPU.
@@ -70,17 +71,13 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
     x = torch.randn(tokens, s["hidden"], generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, s["experts"], s["topk"], device="cuda", generator=g)
     hint = tokens * world * s["topk"] / s["experts"]
-    used = min(s["experts"] // world, tokens * world * s["topk"])     # local experts that get rows (at most)
-    weight_bytes = used * 3 * s["hidden"] * s["intermediate"] * (1 if fp8_experts else 2)
-    floor = floor_us(2 * 3 * tokens * world * s["topk"] * s["hidden"] * s["intermediate"], weight_bytes,
-                     "fp8" if fp8_experts else "bf16")
     ep = layer._ep()
     try:
         with torch.no_grad():
             progress.step("dispatch")
-            times = {"experts_floor_us": floor,
-                     "dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
+            times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
             recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
+            times.update(experts_floor(recv_count, fp8_experts))
             progress.step("experts")
             out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
             times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3)
@@ -103,6 +100,16 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
         if backend == "nvshmem":
             ep.destroy()
     return times
+
+
+def experts_floor(recv_count: torch.Tensor, fp8_experts: bool) -> dict:
+    """The floor of this rank's experts (timing.floor_us) from the rows it received: their flops (gate_up
+    and down, 2 * 3 * H * I a row) and the weights of each local expert that got a row, read once."""
+    s = QWEN3
+    rows, used = int(recv_count.sum()), int((recv_count > 0).sum())
+    weight_bytes = used * 3 * s["hidden"] * s["intermediate"] * (1 if fp8_experts else 2)
+    return {"expert_rows": rows, "experts_floor_us": floor_us(2 * 3 * rows * s["hidden"] * s["intermediate"],
+                                                              weight_bytes, "fp8" if fp8_experts else "bf16")}
 
 
 def transformers_block_times(tokens: int, iters: int) -> dict:
@@ -191,7 +198,7 @@ def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
 
 
 LAYER_COLUMNS = ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts", "dispatch_us", "experts_us",
-                 "experts_floor_us", "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
+                 "expert_rows", "experts_floor_us", "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
 GEMM_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs", "error"]
 
 

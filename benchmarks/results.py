@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_all_to_all import crossover_line  # noqa: E402
+from bench_all_to_all import DEEPEP_COLUMNS, crossover_line  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
-EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_x_floor", "dispatch_eager_us",
-              "dispatch_host_us", "nccl_dispatch_us", "reference_dispatch_us", "combine_graph_us", "combine_floor_us",
-              "combine_x_floor", "combine_eager_us", "combine_host_us", "nccl_combine_us", "reference_combine_us",
-              "dispatch_link_GBps", "combine_link_GBps"]
+EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_link_floor_us",
+              "dispatch_copy_floor_us", "dispatch_x_floor", "dispatch_eager_us", "dispatch_host_us", "nccl_dispatch_us",
+              "reference_dispatch_us", "combine_graph_us", "combine_floor_us", "combine_link_floor_us",
+              "combine_copy_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us", "nccl_combine_us",
+              "reference_combine_us", "dispatch_link_GBps", "combine_link_GBps"]
 PHASES = ("send", "signal", "wait", "recv")
 
 
@@ -36,8 +37,17 @@ def ep_section(data: dict) -> str:
     text = ("\nMicroseconds per call, rank 0 (graph: a CUDA graph of 10 calls replayed after a barrier, per call; "
             "eager: one call after a barrier; host: CPU time of a call while the GPU is busy; nccl: "
             "all_to_all_single with one host sync; reference: the test oracle; floor: the bytes the op must move "
-            "through HBM at the datasheet peak, x_floor: graph / floor). Link GB/s: bytes leaving the GPU over "
-            "the graph time.\n\n" + markdown_table(rows, EP_COLUMNS) + "\n")
+            "through HBM at the datasheet peak; link floor: the bytes it must move over the links, the larger "
+            "direction, at NVLink's datasheet peak (450 GB/s a direction), copy floor: the same at the copy "
+            "engines' rate measured in the run; x_floor: graph over the larger of the HBM and link floors). Link "
+            "GB/s: the link bytes over the graph time.\n\n" + markdown_table(rows, EP_COLUMNS) + "\n")
+    if data.get("peer_copy_GBps"):
+        text += f"\nCopy engines, every rank to every other at once: {data['peer_copy_GBps']:.0f} GB/s leave each GPU.\n"
+    if "deepep" in data:
+        text += f"\n{data['deepep']}.\n"
+    if any("deepep_mode" in row for row in rows):
+        text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
+                 "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f") + "\n")
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []

@@ -28,6 +28,28 @@ def link_copies(topk_ids: torch.Tensor, experts_per_rank: int, rank: int, world:
     return int(routed.sum()), int(remote.sum())
 
 
+def link_bytes(topk_ids: list[torch.Tensor], rank: int, experts_per_rank: int, hidden: int,
+               dtype: torch.dtype = torch.bfloat16, fp8_group: int | None = 128) -> tuple[int, int]:
+    """Bytes that one dispatch and one combine must move over the links of rank `rank`: (dispatch, combine).
+
+    `topk_ids` and the sizes as for ``hbm_bytes``. A link carries each direction at its own rate, so each
+    op counts the larger of what leaves the GPU and what enters it:
+
+        sent      (token of this rank, other rank) pairs, one per other rank the token's experts live on
+        received  (token of another rank, this rank) pairs
+
+        dispatch = max(sent, received) (P + 8 K)   each token's row and scales, ids and weights, once a rank
+        combine  = max(received, sent) H b         one partial sum a (token, rank) pair, back to the source
+    """
+    ids = [t.long() for t in topk_ids]
+    world, topk = len(ids), ids[rank].shape[1]
+    routed = [_ranks_routed(i, experts_per_rank, world) for i in ids]
+    sent = int(routed[rank].sum() - routed[rank][:, rank].sum())
+    received = sum(int(r[:, rank].sum()) for source, r in enumerate(routed) if source != rank)
+    row = hidden + 4 * (hidden // fp8_group) if fp8_group else hidden * dtype.itemsize
+    return max(sent, received) * (row + 8 * topk), max(sent, received) * hidden * dtype.itemsize
+
+
 def _ranks_routed(topk_ids: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
     """[T, world] bool: whether token t has at least one expert on rank r (dropped slots, -1, on none)."""
     ids = topk_ids.long()

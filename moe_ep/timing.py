@@ -144,19 +144,36 @@ def environment() -> dict:
 
 
 # Dense peaks of the GPUs the benchmarks quote floors for, by a word of the device's name: bf16 and FP8
-# tensor-core TFLOP/s (no sparsity) and HBM TB/s, from NVIDIA's H100 SXM and H200 datasheets.
-PEAKS = {"H200": dict(bf16=989.0, fp8=1979.0, hbm=4.8), "H100": dict(bf16=989.0, fp8=1979.0, hbm=3.35)}
+# tensor-core TFLOP/s (no sparsity), HBM TB/s and NVLink GB/s in each direction (18 links of 25 GB/s),
+# from NVIDIA's H100 SXM and H200 datasheets.
+PEAKS = {"H200": dict(bf16=989.0, fp8=1979.0, hbm=4.8, nvlink=450.0),
+         "H100": dict(bf16=989.0, fp8=1979.0, hbm=3.35, nvlink=450.0)}
+
+
+def _peaks() -> dict | None:
+    name = torch.cuda.get_device_name()
+    return next((p for word, p in PEAKS.items() if word in name), None)
 
 
 def floor_us(flops: float, moved_bytes: float, precision: str = "bf16") -> float | None:
     """The least time this GPU can take for `flops` tensor-core operations in `precision` ("bf16" or
     "fp8") and `moved_bytes` of HBM traffic, each at its datasheet peak: the larger of the two, in us.
     None on a GPU PEAKS does not list."""
-    name = torch.cuda.get_device_name()
-    peaks = next((p for word, p in PEAKS.items() if word in name), None)
+    peaks = _peaks()
     if peaks is None:
         return None
     return max(flops / peaks[precision] / 1e6, moved_bytes / peaks["hbm"] / 1e6)
+
+
+def link_floor_us(link_bytes: float, rate_GBps: float | None = None) -> float | None:
+    """The least time `link_bytes` take over this GPU's links in one direction, in us: at `rate_GBps`, or
+    at the datasheet's NVLink peak (None on a GPU PEAKS does not list)."""
+    if rate_GBps is None:
+        peaks = _peaks()
+        if peaks is None:
+            return None
+        rate_GBps = peaks["nvlink"]
+    return link_bytes / rate_GBps / 1e3
 
 
 def cell(value, fmt: str) -> str:

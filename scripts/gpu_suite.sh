@@ -8,19 +8,25 @@
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
 #             two model shapes at their decode and prefill rows). On one H200: 422-466 s with a warm compile cache
 #             (see below); cold, over 575 s (benchmarks/NOTES.md, "The quick GPU suite").
+# multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic EP's
+#             at 4 ranks), the tutorials, and the EP (DeepEP beside us, where .deepep/ holds its source), MoE-layer
+#             and async-TP benchmarks at every GPU; the tests and the tutorials run side by side (the GPUs
+#             time-slice between the jobs), the benchmarks one at a time, alone
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
+# deepep      DeepEP's build (.deepep/, ../shared/deepep/README.md) and its benchmark beside ours (bench_deepep.py)
 # bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200);
 # bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
 #
 # With one GPU the multi-rank tests run in shared-GPU mode (2 and 4 ranks unless MOE_EP_TEST_WORLDS says
 # otherwise) under a CUDA MPS daemon that pytest and launch.sh start and stop themselves; the tutorials run
 # with 2 ranks there, the benchmarks with one (they refuse shared GPUs). Every step runs under `timeout`
-# with its log in OUTDIR; OUTDIR/summary.txt holds one verdict line per step and a summary line. The exit
-# status is non-zero if any step failed.
+# with its log in OUTDIR; OUTDIR/summary.txt holds one verdict line per step (SKIP where every test of the
+# step skipped) and a summary line. The exit status is non-zero if any step failed. A machine without a GPU
+# is refused; stopping the suite (an outer timeout's TERM, ^C) stops every step it started.
 #
 # Triton's compile cache lives in .triton_cache/ (TRITON_CACHE_DIR, ignored by git) and is packed, pruned
 # to what a later run loads, into OUTDIR/triton_cache.tar.gz at the end. Put that file in the next
@@ -29,12 +35,18 @@
 # importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
 # and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick tests_ep tests_moe tests_tp elastic tests_cpu
-  engines tutorials sweep8 bench_ep bench_moe bench_gemm bench_tp bench_full"
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi tests_ep tests_moe tests_tp elastic
+  tests_cpu engines tutorials sweep8 deepep bench_ep bench_moe bench_gemm bench_tp bench_full"
 out="${1:?$usage}"
 shift
 parts="${*:-quick}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if ! gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || (( gpus == 0 )); then
+  echo "gpu_suite: no GPU visible here (torch.cuda.device_count() is ${gpus:-unknown}); run it on a GPU machine" >&2
+  exit 2
+fi
+descendants() { local child; for child in $(pgrep -P "$1"); do descendants "$child"; echo "$child"; done; }
+trap 'trap - TERM INT; kill -TERM $(descendants $$) 2>/dev/null; exit 143' TERM INT
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 started=$SECONDS
@@ -62,7 +74,6 @@ if compgen -G ".engines/*.tar.gz" >/dev/null || compgen -G ".engines/*.whl" >/de
   fi
 fi
 
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ranks=$(( gpus > 1 ? gpus : 2 ))         # the tutorials' ranks: a GPU each, or 2 sharing the one GPU
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
@@ -79,16 +90,25 @@ step() {   # step NAME SECONDS command...: run under timeout, log to OUTDIR/NAME
   local name=$1 limit=$2 begin=$SECONDS
   shift 2
   echo "== $name: $*"
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1 &     # waited for, so that a TERM to the suite is taken at once
+  wait $!
   local rc=$?
   local last
   last=$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)\b.* in [0-9.]+s' "$out/$name.log" | tail -n 1)
   tail -n 25 "$out/$name.log"
   local verdict=PASS
-  if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif (( rc != 0 )); then verdict=FAIL; fi
+  if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif (( rc != 0 )); then verdict=FAIL
+  elif [[ $last == *skipped* && $last != *passed* ]]; then verdict=SKIP; fi
   printf '%-7s %-22s %4ds  exit %-3s %s\n' "$verdict" "$name" $(( SECONDS - begin )) "$rc" "$last" \
     | tee -a "$out/summary.txt"
-  [[ $verdict == PASS ]] || failed=1
+  [[ $verdict == PASS || $verdict == SKIP ]] || failed=1
+}
+skip() {   # skip NAME WHY: a step that cannot run here, one SKIP line
+  printf '%-7s %-22s %4ds  %s\n' SKIP "$1" 0 "$2" | tee -a "$out/summary.txt"
+}
+lanes_passed() {   # lanes_passed NAME...: every step of the lanes has its verdict line, PASS or SKIP
+  local name
+  for name in "$@"; do grep -qE "^(PASS|SKIP) +$name " "$out/summary.txt" || failed=1; done
 }
 mps_running() { python3 -c "import sys; sys.path.insert(0, 'moe_ep'); import mps; sys.exit(not mps.running())"; }
 shared_gpu() {   # one CUDA MPS daemon for steps that run side by side on one GPU (pytest reuses it)
@@ -118,11 +138,24 @@ lane() {   # lane NAME SECONDS command... [--and-then NAME SECONDS command...]: 
 }
 engine_tests() {   # the engines' GPU tests, on their sources from .engines/ (skipped without them)
   if [[ -z $engines ]]; then
-    printf '%-7s %-22s %4ds  %s\n' SKIP engines 0 "no engine sources in .engines/" | tee -a "$out/summary.txt"
+    skip engines "no engine sources in .engines/"
     return
   fi
   step engines "$1" env PYTHONPATH="$engines:$PYTHONPATH" python3 -m pytest -q -rs -m gpu tests/test_vllm.py \
     tests/test_sglang.py
+}
+
+deepep_build() {   # deepep_build step|lane: build DeepEP in .deepep/ where its source is and no build is yet
+  if [[ -f .deepep/setup.py ]] && ! compgen -G ".deepep/deep_ep_cpp*.so" >/dev/null; then
+    "$1" deepep_build 300 bash .deepep/build.sh "$out"
+  fi
+}
+deepep_bench() {   # DeepEP's benchmark in a job of its own, where its build is in .deepep/ (bench_all_to_all merges it)
+  if ! compgen -G ".deepep/deep_ep_cpp*.so" >/dev/null; then
+    skip bench_deepep "no DeepEP build in .deepep/ (../shared/deepep/README.md)"
+    return
+  fi
+  step bench_deepep 150 env PYTHONPATH="$PWD/.deepep:$PYTHONPATH" bash launch.sh benchmarks/bench_deepep.py --out "$out"
 }
 
 for part in $parts; do
@@ -144,13 +177,37 @@ for part in $parts; do
         --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      for name in pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic; do
-        grep -qE "^(PASS|SKIP) +$name " "$out/summary.txt" || failed=1
-      done
+      lanes_passed pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic
       own_gpu
       step bench_ep 150 bash launch.sh --nproc 1 benchmarks/bench_all_to_all.py --out "$out" --tokens 128,4096
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
       step bench_grouped 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --grouped --out "$out" ;;
+    multi)
+      # Three lanes of jobs side by side, a rank on every GPU: EP and NVSHMEM's wrappers, then elastic EP; async
+      # TP, the MoE layer and quant, then the engines; the tutorials; DeepEP's build on the CPUs beside them.
+      # Then the benchmarks, one at a time on an otherwise idle machine. Limits: 1.5-2x each step's time on
+      # 4 x H200 with a warm compile cache (benchmarks/NOTES.md, "The multi-GPU suite").
+      if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
+      deepep_build lane
+      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_ep_gpu.py tests/test_shmem_gpu.py --and-then multi_elastic 240 python3 -m pytest -q -rs -s -m gpu \
+        tests/test_ep_elastic.py
+      lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
+      lane tutorial01 90 bash launch.sh tutorials/01-ring-exchange.py \
+        --and-then tutorial02 120 bash launch.sh tutorials/02-ep-all-to-all.py \
+        --and-then tutorial03 150 bash launch.sh tutorials/03-swap-moe-into-a-model.py \
+        --and-then tutorial04 150 bash launch.sh tutorials/04-async-tp.py \
+        --and-then tutorial06 180 bash launch.sh --nproc 4 tutorials/06-elastic-ep.py
+      wait
+      cat "$out"/*.lane
+      lanes_passed multi_ep multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 tutorial04 tutorial06
+      deepep_bench
+      step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out"
+      step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out"
+      step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
+    deepep) deepep_build step
+            deepep_bench ;;
     tests_ep) step pytest_ep 540 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_shmem_gpu.py ;;
     tests_moe) step pytest_moe 540 python3 -m pytest -q -rs tests/test_moe_layer.py tests/test_grouped_gemm.py \
                  tests/test_quant.py tests/test_matmul.py ;;
@@ -178,7 +235,9 @@ done
 
 python3 scripts/triton_cache.py pack "$TRITON_CACHE_DIR" "$out/triton_cache.tar.gz"
 steps=$(wc -l < "$out/summary.txt")
-passed=$(grep -cE '^(PASS|SKIP)' "$out/summary.txt")
-printf 'gpu_suite %s: %s of %s steps passed in %ds on %s\n' "$parts" "$passed" "$steps" $(( SECONDS - started )) \
-  "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" | tee -a "$out/summary.txt"
+passed=$(grep -c '^PASS' "$out/summary.txt")
+skipped=$(grep -c '^SKIP' "$out/summary.txt")
+printf 'gpu_suite %s: %s of %s steps passed, %s skipped, in %ds on %sx %s\n' "$parts" "$passed" "$steps" "$skipped" \
+  $(( SECONDS - started )) "$gpus" "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" \
+  | tee -a "$out/summary.txt"
 exit $failed
