@@ -7,6 +7,8 @@ checks of ``moe_ep.integrations``) and the oracle (``moe_ep.reference``) both ca
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -16,19 +18,23 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, **options) -> None:
+def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, timeout_s=None,
+                **options) -> None:
     """collective(*outputs, *inputs, group=group, **options); tensors on a device the group's backend does
     not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and the
-    results are copied back into `outputs`."""
+    results are copied back into `outputs`. With `timeout_s`, RuntimeError if the collective has not
+    completed within that many seconds (every rank must have entered it): the group then still holds it,
+    and completes it if the missing ranks enter later."""
     tensors = outputs + inputs
     backend = dist.get_backend(group)
     served = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
-    if all(t.device.type in served for t in tensors):
-        collective(*tensors, group=group, **options)
-        return
     stage = "cuda" if "cuda" in served else "cpu"
     staged = [t if t.device.type in served else t.to(stage) for t in tensors]
-    collective(*staged, group=group, **options)
+    if timeout_s is None:
+        collective(*staged, group=group, **options)
+    else:
+        work = collective(*staged, group=group, async_op=True, **options)
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     for t, s in zip(outputs, staged):
         if s is not t:
             t.copy_(s)
@@ -40,9 +46,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                 input_split_sizes=input_split_sizes)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """output [W * n, ...] = every rank's input [n, ...], in rank order."""
-    _collective(_all_gather, [output], [input], group)
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, timeout_s=None) -> None:
+    """output [W * n, ...] = every rank's input [n, ...], in rank order (within `timeout_s`, if given)."""
+    _collective(_all_gather, [output], [input], group, timeout_s)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:

@@ -114,13 +114,16 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.ranks_per_gpu < 1:
         parser.error("needs --ranks-per-gpu N >= 1 and -- COMMAND")
-    with daemon() as env:
-        env.setdefault(SHARE_VARIABLE, str(share_percent(args.ranks_per_gpu)))
-        child = subprocess.Popen(command, env=env)
-        forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731  (the job ends, then the daemon)
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, forward)
-        return child.wait()
+    try:
+        with daemon() as env:
+            env.setdefault(SHARE_VARIABLE, str(share_percent(args.ranks_per_gpu)))
+            child = subprocess.Popen(command, env=env)
+            forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731  (the job ends, then the daemon)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, forward)
+            return child.wait()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:   # no MPS here, or no such command
+        parser.exit(1, f"{parser.prog}: {error}\n")
 
 
 if __name__ == "__main__":

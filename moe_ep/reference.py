@@ -47,7 +47,9 @@ def quantize_fp8(x: torch.Tensor, group: int = 128):
 
     amax = max(amax over the group, 1e-4), scale = amax * fp32(1 / 448), q = fp8(x * (448 / amax)),
     round to nearest even, 448 / amax an IEEE division (a tensor by a tensor: torch turns a division by
-    a constant, or of one, into a product with the reciprocal on CUDA).
+    a constant, or of one, into a product with the reciprocal on CUDA). A NaN or an inf in a group makes
+    its amax (torch's amax propagates NaN) and its scale non-finite, and so the whole group NaN once
+    dequantized; the dispatch kernel's maximum skips a NaN, which there spoils its own element only.
     """
     tokens, hidden = x.shape
     xf = x.float().reshape(tokens, hidden // group, group)

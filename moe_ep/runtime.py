@@ -4,7 +4,8 @@ One process owns one NVSHMEM processing element (PE) on one GPU; PE numbers equa
 the process group NVSHMEM was started on (the default group unless the first object that starts
 it names another). A job may run more ranks than GPUs (shared-GPU mode: rank r on GPU r % GPUs,
 gloo for the host group, CUDA MPS underneath; ``moe_ep.mps``). Everything here is host code and
-imports nothing else from the package but the standard-library-only ``mps``.
+imports nothing else from the package but the standard-library-only ``mps`` and ``collectives``
+(torch.distributed's collectives for tensors on any device).
 
     import torch.distributed as dist
     from moe_ep import runtime
@@ -22,21 +23,24 @@ Kernels that call NVSHMEM device functions (``moe_ep.shmem``) are launched with
 
 Host-side moves that use no SM: ``put_on_stream`` (copy engine) and ``stream_write_value``
 (a flag written by the stream itself). ``CommObject`` is the base of the objects that own
-symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError.
+symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError, and the exchanges by which
+every rank of a group learns that some rank refused a call (CallRefusedError) or was built differently.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from . import mps
+from . import collectives, mps
 
 __all__ = [
     "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init",
     "heap_size", "finalize", "is_initialized", "symmetric_empty", "symmetric_zeros", "free", "peer_ptr",
-    "peer_tensor", "device_library", "barrier", "CommTimeoutError",
+    "peer_tensor", "device_library", "barrier", "CommTimeoutError", "CallRefusedError", "nvshmem_unavailable",
     "stream_write_value", "put_on_stream", "CommObject",
 ]
 
@@ -63,6 +67,21 @@ class CommTimeoutError(RuntimeError):
     """A device-side wait ran past its bound; the object that raised it cannot be used again."""
 
 
+class CallRefusedError(ValueError):
+    """A collective call (a constructor, a reference dispatch or combine) that one or more ranks refused,
+    raised on every rank of the group with the same message, so that no rank is left waiting for the
+    refusing one. `refusals` maps each refusing rank to its reason (the ValueError it raised)."""
+
+    def __init__(self, what: str, refusals: dict[int, str]):
+        self.what, self.refusals = what, refusals
+        ranks_of: dict[str, list[int]] = {}
+        for rank, reason in sorted(refusals.items()):
+            ranks_of.setdefault(reason, []).append(rank)
+        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
+                 for reason, ranks in ranks_of.items()]
+        super().__init__(f"{what} refused by " + "; ".join(parts))
+
+
 class CommObject:
     """What the host objects (EPAllToAll, AsyncTP) share: symmetric buffers that destroy() frees,
     and the status of their kernels' bounded waits, which check() turns into CommTimeoutError.
@@ -73,28 +92,84 @@ class CommObject:
     """
 
     TAGS: dict[int, str] = {}
+    VERDICT_BYTES = 256      # a refusal's reason as every rank reads it (the checks' messages fit; longer is cut)
 
-    def _open(self, group, backend: str, device=None) -> int | None:
-        """Set `group` and `device`. For the nvshmem backend, start NVSHMEM and return the smallest SM
-        count in the group (grids must be the same on every rank); None for the reference backend.
+    def _agree(self, what: str, refusal: ValueError | None) -> None:
+        """Every rank's verdict on a collective call, before the call's own collectives: one all_gather of
+        VERDICT_BYTES per rank, bounded by ``timeout_s``. A rank that refused (`refusal`, its ValueError)
+        still takes part with its reason, so that every rank raises the same CallRefusedError naming it,
+        and no rank enters the call's collectives alone. A rank that does not take part within timeout_s
+        (it made another call, or none) breaks the object: CommTimeoutError here and at every later call."""
+        verdict = torch.zeros(self.VERDICT_BYTES, dtype=torch.uint8)
+        if refusal is not None:
+            reason = (str(refusal) or type(refusal).__name__).encode()
+            reason = reason if len(reason) <= self.VERDICT_BYTES else reason[:self.VERDICT_BYTES - 3] + b"..."
+            verdict[:len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
+        verdicts = torch.empty(dist.get_world_size(self.group) * self.VERDICT_BYTES, dtype=torch.uint8)
+        try:
+            collectives.all_gather_into_tensor(verdicts, verdict, group=self.group, timeout_s=self.timeout_s)
+        except RuntimeError as error:
+            self._broken = (f"rank {self.rank}: {what} was not agreed by every rank within {self.timeout_s}s (a "
+                            f"rank of the group made another call, or none): {error}")
+            raise CommTimeoutError(self._broken) from error
+        refusals = {rank: bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+                    for rank, row in enumerate(verdicts.view(-1, self.VERDICT_BYTES)) if row[0]}
+        if refusals:
+            raise CallRefusedError(what, refusals) from refusal
 
-        `device` is where the caller's tensors live. The reference backend takes any (CPU tensors on
-        an NCCL group and GPU tensors on a gloo group cross it as copies); without one, this process's
-        GPU when the group is NCCL or ranks share a GPU, else the CPU. The nvshmem backend runs on
-        this process's GPU only: another device is a ValueError, raised before anything starts."""
-        self.group = group
-        device = None if device is None else torch.device(device)
-        if device is not None and device.type == "cuda" and device.index is None:
-            device = _this_gpu()
+    @staticmethod
+    def _agree_on_settings(what: str, settings: dict, refusal: ValueError | None, group=None) -> None:
+        """A constructor's one exchange (collective, once): every rank's `settings` (the arguments every
+        rank must pass alike) and its `refusal` (the ValueError its checks raised, or None). Raises on
+        every rank: CallRefusedError if a rank refused, else ValueError naming each setting the ranks
+        differ on, with each value's ranks."""
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (None if refusal is None else str(refusal), settings), group=group)
+        refusals = {rank: reason for rank, (reason, _) in enumerate(every) if reason is not None}
+        if refusals:
+            raise CallRefusedError(what, refusals) from refusal
+        differences = []
+        for name in settings:
+            ranks_of: dict[str, list[int]] = {}
+            for rank, (_, theirs) in enumerate(every):
+                ranks_of.setdefault(repr(theirs.get(name)), []).append(rank)
+            if len(ranks_of) > 1:
+                values = ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                                   for value, r in ranks_of.items())
+                differences.append(f"{name} ({values})")
+        if differences:
+            raise ValueError(f"{what}: the ranks of the group were built with different settings, which must be the "
+                             f"same on every rank: {'; '.join(differences)}")
+
+    @staticmethod
+    def _place(group, backend: str, device=None) -> torch.device | None:
+        """Where the caller's tensors live, checked before anything starts (no collective): `device` (a
+        torch.device or a name), else the default below; ValueError where the backend cannot run there.
+
+        The reference backend takes any device (CPU tensors on an NCCL group and GPU tensors on a gloo
+        group cross it as copies); without one, this process's GPU when the group is NCCL or ranks share a
+        GPU, else the CPU. The nvshmem backend runs on this process's GPU only: None (that GPU, once
+        NVSHMEM has started), or that GPU given."""
+        device = checked_device(device)
         if backend == "reference":
             on_gpu = dist.get_backend(group) == "nccl" or ranks_per_gpu() > 1
-            self.device = device or (_this_gpu() if on_gpu else torch.device("cpu"))
-            return None
+            return device or (_this_gpu() if on_gpu else torch.device("cpu"))
+        if torch.cuda.device_count() == 0:
+            raise ValueError(f"the nvshmem backend needs this process's GPU, and {nvshmem_unavailable()}: "
+                             "use backend='reference'")
         if device is not None and (device.type != "cuda" or device != _this_gpu()):
-            here = _this_gpu() if torch.cuda.is_available() else "none visible"
-            raise ValueError(f"the nvshmem backend runs on this process's GPU ({here}), and the tensors it was "
-                             f"built for are on {device}: move them (the model) there first, or use "
+            raise ValueError(f"the nvshmem backend runs on this process's GPU ({_this_gpu()}), and the tensors it "
+                             f"was built for are on {device}: move them (the model) there first, or use "
                              "backend='reference'")
+        return device
+
+    def _open(self, group, backend: str, device=None) -> int | None:
+        """Set `group` and `device` (``_place``'s). For the nvshmem backend, start NVSHMEM and return the
+        smallest SM count in the group (grids must be the same on every rank); None for the reference
+        backend."""
+        self.group, self.device = group, self._place(group, backend, device)
+        if backend == "reference":
+            return None
         init(group)
         self.device = _this_gpu()
         on = self.device if dist.get_backend(group) == "nccl" else "cpu"   # gloo with several ranks per GPU
@@ -161,6 +236,38 @@ def _this_gpu() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def checked_device(device) -> torch.device | None:
+    """`device` (a torch.device, a string like "cuda:1", or None) as a torch.device, "cuda" without an index
+    meaning this process's GPU; ValueError for a name torch does not know, a CUDA device on a machine (or a
+    build of torch) without one, or an index past the GPUs visible."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or 'cuda:0', got {device!r}") \
+            from error
+    if device.type == "cuda":
+        if torch.cuda.device_count() == 0:
+            raise ValueError(f"device {device}: no CUDA GPU is usable here (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} GPUs visible); use device='cpu'")
+        if device.index is None:
+            return _this_gpu()
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA GPUs are visible")
+    return device
+
+
+def nvshmem_unavailable() -> str | None:
+    """Why the nvshmem backend cannot run in this process (no usable CUDA GPU, nvshmem4py not installed), or
+    None; asks without starting CUDA or NVSHMEM."""
+    if torch.cuda.device_count() == 0:
+        return f"no CUDA GPU is usable here (torch {torch.__version__}, {torch.cuda.device_count()} GPUs visible)"
+    if importlib.util.find_spec("nvshmem") is None:
+        return "nvshmem4py is not installed (pip install 'moe-ep[nvshmem]', package nvshmem4py-cu13)"
+    return None
+
+
 def _nvshmem():
     try:
         import nvshmem.core as core
@@ -177,7 +284,9 @@ def init_distributed(init_method: str | None = None) -> torch.device:
     GPU per rank, NCCL and GPU LOCAL_RANK; with more ranks than GPUs (shared-GPU mode), gloo (NCCL
     refuses ranks that share a GPU) and GPU LOCAL_RANK % GPUs; without GPUs, gloo on the CPU.
     `init_method` (e.g. a file:// store) replaces torchrun's rendezvous; RANK and WORLD_SIZE still
-    come from the environment.
+    come from the environment. A script started without a launcher (``python script.py``: no RANK in the
+    environment, no `init_method`) runs as a world of one process, rank 0, with a warning that says how
+    to start more (``bash launch.sh script.py``, or torchrun).
 
     torch.distributed.nn is imported first, while no group exists: its functions take
     ``group=group.WORLD`` as a default argument, so imported later (transformers does, when it
@@ -186,8 +295,16 @@ def init_distributed(init_method: str | None = None) -> torch.device:
     """
     import torch.distributed.nn  # noqa: F401  (see above)
 
-    meet = {} if init_method is None else dict(init_method=init_method, rank=int(os.environ["RANK"]),
-                                               world_size=int(os.environ["WORLD_SIZE"]))
+    if "RANK" in os.environ:
+        meet = {} if init_method is None else dict(init_method=init_method, rank=int(os.environ["RANK"]),
+                                                   world_size=int(os.environ["WORLD_SIZE"]))
+    elif init_method is None:
+        warnings.warn("RANK is not set (the script was not started by launch.sh or torchrun): running as a world of "
+                      "one process; `bash launch.sh script.py` starts one process per GPU (two CPU processes "
+                      "without a GPU)", stacklevel=2)
+        meet = dict(store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise ValueError(f"init_method={init_method!r} needs RANK and WORLD_SIZE in the environment")
     gpus = torch.cuda.device_count()     # counted without starting CUDA, so the share set below still applies
     if gpus == 0:
         if not dist.is_initialized():

@@ -4,14 +4,16 @@ from timings."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from distributed import run
-from moe_ep import EPAllToAll, link_copies, random_topk
+from distributed import die, run
+from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, link_copies, random_topk
 from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import crossover_tokens
+from moe_ep.reference import dequantize_fp8
 from moe_ep.routing import hbm_bytes
 
 GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
@@ -27,13 +29,23 @@ def _config_errors(rank, world):
            (dict(fp8_group=96), "fp8_group must be a power of two >= 16, got 96"),
            (dict(dtype=torch.int32), "dtype must be bfloat16, float16 or float32, got torch.int32"),
            (dict(backend="mpi"), "backend must be one of .*, got 'mpi'"),
-           (dict(timeout_s=0), "timeout_s must be positive, got 0")]
+           (dict(timeout_s=0), "timeout_s must be a positive, finite number of seconds, got 0"),
+           (dict(timeout_s=float("inf")), "timeout_s must be a positive, finite number of seconds, got inf"),
+           (dict(timeout_s="10"), "timeout_s must be a positive, finite number of seconds, got '10'"),
+           (dict(device="tpu:0"), "device must be a torch.device or a device name"),
+           (dict(device=3.5), "device must be a torch.device or a device name")]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             EPAllToAll(**{**GOOD, **change, "backend": change.get("backend", "reference")})
     for change, message in ((dict(num_sms=0), "num_sms"), (dict(num_sms=2.5), "num_sms")):
         with pytest.raises(ValueError, match=message):
             EPAllToAll(**GOOD, **change, backend="reference")
+    if not torch.cuda.is_available():          # a CPU machine, or a CPU build of torch
+        for backend in ("reference", "nvshmem"):
+            with pytest.raises(ValueError, match="no CUDA GPU is usable here"):
+                EPAllToAll(**GOOD, backend=backend, device="cuda")
+        with pytest.raises(ValueError, match="nvshmem backend needs this process's GPU.*use backend='reference'"):
+            EPAllToAll(**GOOD)
 
 
 def _input_errors(rank, world):
@@ -72,6 +84,10 @@ def _input_errors(rank, world):
             ep.combine(expert_out, handle, out=out)
     out = torch.empty(4, 256, dtype=torch.bfloat16)
     assert ep.combine(expert_out, handle, out=out) is out
+    other = EPAllToAll(**GOOD, backend="reference")
+    *_, other_handle = other.dispatch(x, ids, weights)
+    with pytest.raises(ValueError, match="a handle of this EPAllToAll's own dispatch, and this one came from another"):
+        ep.combine(expert_out, other_handle)
     ep.dispatch(x, ids, weights)
     ep.dispatch(x, ids, weights)
     with pytest.raises(ValueError, match="stale"):
@@ -80,6 +96,78 @@ def _input_errors(rank, world):
 
 def test_bad_configurations_raise():
     run(_config_errors, 2)
+
+
+def _ranks_that_differ(rank, world):
+    """Ranks built with different settings, or one rank's bad argument, end on every rank at construction."""
+    for change, message in ((dict(num_experts=8 * (rank + 1)), r"num_experts \(8 on rank 0, 16 on rank 1\)"),
+                            (dict(hidden=128 * (rank + 1), fp8_dispatch=rank == 0),
+                             r"hidden \(128 on rank 0, 256 on rank 1\); fp8_group \(128 on rank 0, None on rank 1\)"),
+                            (dict(topk=2 - rank), r"topk \(2 on rank 0, 1 on rank 1\)")):
+        with pytest.raises(ValueError, match="EPAllToAll: the ranks of the group were built with different settings, "
+                                             "which must be the same on every rank: " + message):
+            EPAllToAll(**{**GOOD, **change}, backend="reference")
+    with pytest.raises(CallRefusedError, match=r"EPAllToAll refused by rank 1: topk must be an int in \[1, 16\]"):
+        EPAllToAll(**{**GOOD, "topk": 2 if rank == 0 else 0}, backend="reference")
+    with pytest.raises(CallRefusedError, match="EPAllToAll refused by rank 0: backend must be one of .*; rank 1: "
+                                               "num_experts=7 is not a multiple"):
+        EPAllToAll(**{**GOOD, **(dict(backend="mpi") if rank == 0 else dict(num_experts=7))})
+    EPAllToAll(**GOOD, backend="reference", timeout_s=5.0 + rank)      # a per-rank option may differ
+
+
+def test_ranks_that_differ_are_refused_on_every_rank():
+    run(_ranks_that_differ, 2)
+
+
+def _refusals_reach_every_rank(rank, world):
+    """A call that one rank refuses (the reference backend) raises CallRefusedError naming that rank and its
+    reason on every rank, at once, and leaves nothing behind: the next calls run as if it never happened."""
+    ep = EPAllToAll(**GOOD, backend="reference", timeout_s=30.0)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    ids, weights = random_topk(4, 8, 2, generator=torch.Generator().manual_seed(rank))
+    too_many = (torch.randn(9, 256).bfloat16(), *random_topk(9, 8, 2))
+    out_of_range = (x, ids.masked_fill(ids == ids[0, 0], 8), weights)
+    started = time.monotonic()
+    for bad, message in ((0, r"dispatch refused by rank 0: 9 tokens is more than max_tokens=8$"),
+                         (1, r"dispatch refused by rank 1: topk_ids must lie in \[-1, 8\)")):
+        with pytest.raises(CallRefusedError, match=message) as refused:
+            ep.dispatch(*((too_many if bad == 0 else out_of_range) if rank == bad else (x, ids, weights)))
+        assert list(refused.value.refusals) == [bad]
+    with pytest.raises(CallRefusedError, match="dispatch refused by rank 0: 9 tokens .*; rank 1: x has dtype"):
+        ep.dispatch(*(too_many if rank == 0 else (x.float(), ids, weights)))
+    assert time.monotonic() - started < 10, "a refusal is known to every rank at once, not after a timeout"
+
+    recv_x, recv_scales, _, handle = ep.dispatch(x, ids, weights)
+    assert handle.call == 1                                          # the refused calls consumed nothing
+    expert_out = dequantize_fp8(recv_x, recv_scales).bfloat16()      # identity experts
+    with pytest.raises(CallRefusedError, match=r"combine refused by rank 1: expert_out has shape \(4, 8, 256\)"):
+        ep.combine(expert_out[:, :8].contiguous() if rank == 1 else expert_out, handle)
+    y = ep.combine(expert_out, handle)
+    torch.testing.assert_close(y.float(), x.float(), rtol=0.07, atol=0.07)     # FP8 rounding of x
+
+
+def test_a_call_one_rank_refuses_fails_on_every_rank():
+    run(_refusals_reach_every_rank, 2)
+
+
+def _a_rank_that_never_calls(rank, world):
+    """Rank 1 builds the all-to-all and then makes no call: rank 0's dispatch ends after timeout_s in
+    CommTimeoutError, and the object stays broken."""
+    ep = EPAllToAll(**GOOD, backend="reference", timeout_s=1.0)
+    if rank == 1:
+        time.sleep(4)
+        die()
+    x = torch.randn(4, 256).bfloat16()
+    started = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="rank 0: dispatch was not agreed by every rank within 1.0s"):
+        ep.dispatch(x, *random_topk(4, 8, 2))
+    assert 1 <= time.monotonic() - started < 3
+    with pytest.raises(CommTimeoutError, match="dispatch was not agreed"):
+        ep.dispatch(x, *random_topk(4, 8, 2))
+
+
+def test_a_call_a_rank_never_makes_times_out():
+    run(_a_rank_that_never_calls, 2, lost=(1,))
 
 
 def test_bad_inputs_raise():

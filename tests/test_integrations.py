@@ -4,17 +4,24 @@ teardown, the elastic ones' live mask and the package layout.
 combine writes the caller's tensor when given one (the engines' output), after checking it, and the
 result is the one combine returns without out; destroy_all_to_alls destroys what all_to_all shared, and
 destroy() may be called again; all_to_all builds elastic all-to-alls apart from plain ones, and live_mask
-reads their masks together; `import moe_ep` pulls in no engine.
+reads their masks together, and mask_inactive masks in an all-to-all the ranks an engine's mask counts
+inactive; `import moe_ep` pulls in no engine.
 """
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from cases import expected_combine, expert_fn, make_inputs, on_ranks
 from distributed import run
 from moe_ep import EPAllToAll, integrations, random_topk
 from moe_ep.integrations import all_to_all, destroy_all_to_alls, elastic_all_to_alls, live_mask
+
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
 def _combine_into_out(rank, world):
@@ -76,6 +83,43 @@ def test_elastic_all_to_alls_and_their_live_mask(monkeypatch):
     assert live_mask([first, second]).tolist() == [1, 1, 1]
     second.mask_ranks([2])
     assert live_mask([first, second]).tolist() == [1, 1, 0] and first.live_ranks() == [0, 1, 2]
+
+
+@INTERPRETED
+def test_a_rank_the_engine_marks_inactive_is_not_waited_for():
+    """An engine's mask of active ranks (SGLang's active_ranks) says rank 2 of a simulated world of 3 is gone
+    before it fails any wait: after mask_inactive the survivors' call completes at once, without rank 2's
+    experts (handle.lost names them), and the engine's mask is left as it was. While a call is in flight
+    mask_inactive does nothing; keep_ranks itself refuses then, and off elastic all-to-alls."""
+    world, tokens, hidden, experts, topk, group = 3, [3, 4, 2], 128, 6, 2, 64
+    ranks = EPAllToAll.simulated(world, 4, hidden, experts, topk, fp8_group=group, timeout_s=30.0, elastic=True)
+    active = torch.tensor([1, 1, 0], dtype=torch.int32)
+    for ep in ranks[:2]:
+        integrations.mask_inactive(ep, active)
+    assert active.tolist() == [1, 1, 0]
+    inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=0) for r in range(world)]
+    started = time.monotonic()
+    outs = {r: ranks[r].dispatch(*inputs[r], return_recv_hook=True) for r in (0, 1)}
+    integrations.mask_inactive(ranks[0], torch.tensor([1, 0, 1], dtype=torch.int32))   # in flight: nothing
+    with pytest.raises(ValueError, match="in flight"):
+        ranks[0].keep_ranks(torch.tensor([1, 0, 1], dtype=torch.int32))
+    for r in (0, 1):
+        outs[r][-1]()
+    combined = {r: ranks[r].combine(expert_fn(outs[r][0], outs[r][1], group, torch.bfloat16), outs[r][3],
+                                    return_recv_hook=True) for r in (0, 1)}
+    for r in (0, 1):
+        combined[r][1]()
+    assert time.monotonic() - started < 30.0, "nobody waited for the rank the engine marked inactive"
+    without = [(x, ids.masked_fill(on_ranks(ids, {2}, experts, world), -1), w) for x, ids, w in inputs]
+    for r in (0, 1):
+        assert torch.equal(combined[r][0], expected_combine(r, world, without, experts, group, torch.bfloat16)), r
+        assert torch.equal(outs[r][3].lost, on_ranks(inputs[r][1], {2}, experts, world)), r
+        assert ranks[r].live_ranks() == [0, 1]
+    plain = EPAllToAll.simulated(1, 4, hidden, experts, topk)[0]
+    with pytest.raises(ValueError, match="keep_ranks needs EPAllToAll\\(..., elastic=True\\)"):
+        plain.keep_ranks(torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"live has shape \(2,\), expected \(3,\)"):
+        ranks[0].keep_ranks(torch.ones(2, dtype=torch.int32))
 
 
 def test_import_needs_no_engine():

@@ -18,7 +18,7 @@ from torch import nn
 
 from cases import on_ranks
 from distributed import gpu_worlds, run
-from moe_ep import AsyncTP, EPAllToAll, EPMoE, random_topk, swap_moe
+from moe_ep import AsyncTP, EPAllToAll, EPMoE, random_topk, runtime, swap_moe
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +132,7 @@ def _bad_options(rank, world):
     with pytest.raises(ValueError, match="max_tokens"):
         EPMoE(64, 32, 8, 2, max_tokens=0, backend="reference")
     with pytest.raises(ValueError, match="fp8_experts needs hidden and intermediate multiples of 128"):
-        EPMoE(64, 32, 8, 2, fp8_experts=True, backend="reference")
+        EPMoE(64, 32, 8, 2, fp8_experts=True, fp8_dispatch=False, backend="reference")
 
     class OddBlock(nn.Module):
         def __init__(self):
@@ -144,7 +144,16 @@ def _bad_options(rank, world):
         swap_moe(nn.Sequential(OddBlock()), backend="reference")
     with pytest.raises(ValueError, match="no MoE block"):
         swap_moe(nn.Linear(4, 4))
-    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32)
+    with pytest.raises(ValueError, match="hidden=64 is not a multiple of fp8_group=128"):
+        EPMoE(64, 32, 8, 2, backend="reference")                 # refused when built, not at the first forward
+    with pytest.raises(ValueError, match="backend must be one of"):
+        EPMoE(64, 32, 8, 2, backend="mpi", fp8_dispatch=False)
+    with pytest.raises(ValueError, match="intermediate must be a positive int"):
+        EPMoE(64, 0, 8, 2, backend="reference", fp8_dispatch=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is usable here"):
+            EPMoE(64, 32, 8, 2, backend="reference", fp8_dispatch=False, device="cuda")
+    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32, fp8_dispatch=False)
     with pytest.raises(ValueError, match="router"):
         layer(torch.zeros(3, 64))
     with pytest.raises(ValueError, match="hidden"):
@@ -153,6 +162,46 @@ def _bad_options(rank, world):
 
 def test_bad_options_raise():
     run(_bad_options, 2)
+
+
+def _initialised_like_linear(rank, world):
+    """An EPMoE built directly starts with weights as nn.Linear initialises its own (uniform in +-1/sqrt(fan_in),
+    fan_in = H for gate_up_proj, I for down_proj), not with torch.empty's leftovers, and its forward gives
+    finite outputs of the size such weights give."""
+    hidden, intermediate = 64, 32
+    torch.manual_seed(rank)
+    layer = EPMoE(hidden, intermediate, 8, 2, backend="reference", dtype=torch.float32, fp8_dispatch=False)
+    for weight, fan_in in ((layer.gate_up_proj, hidden), (layer.down_proj, intermediate)):
+        bound = fan_in ** -0.5
+        assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
+        assert abs(weight.std().item() - bound / 3 ** 0.5) < 0.05 * bound          # a uniform's deviation
+        linear = nn.Linear(fan_in, 16, bias=False)
+        assert abs(linear.weight.abs().max().item() - bound) < 0.1 * bound        # what nn.Linear draws
+    x = torch.randn(5, hidden)
+    ids, weights = random_topk(5, 8, 2, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        y = layer(x, ids, weights)
+    assert torch.isfinite(y).all() and 0.01 < y.norm() / x.norm() < 1
+
+
+def test_a_layer_built_directly_is_initialised_like_linear():
+    run(_initialised_like_linear, 2)
+
+
+def _swap_refuses_a_backend_that_cannot_run(rank, world):
+    """swap_moe with the default (nvshmem) backend where it cannot run (no GPU, or no nvshmem4py) refuses
+    before it changes anything."""
+    model = tiny_model("qwen3_moe")
+    blocks = [m for m in model.modules() if getattr(m, "experts", None) is not None]
+    with pytest.raises(ValueError, match="backend='nvshmem' cannot run in this process: .*use backend='reference'"):
+        swap_moe(model, fp8_dispatch=False, max_tokens=64)
+    assert [m for m in model.modules() if getattr(m, "experts", None) is not None] == blocks
+    assert not any(isinstance(m, EPMoE) for m in model.modules())
+
+
+@pytest.mark.skipif(runtime.nvshmem_unavailable() is None, reason="checks a machine where nvshmem cannot run")
+def test_swap_refuses_a_backend_that_cannot_run_here():
+    run(_swap_refuses_a_backend_that_cannot_run, 2)
 
 
 class ReportsRankOneLost(EPAllToAll):
@@ -186,7 +235,7 @@ def _elastic(rank, world):
         layer(x, ids, weights)
     assert ReportsRankOneLost.built_elastic == [True]
     assert torch.equal(layer.lost, on_ranks(ids, {1}, 8, world))
-    assert EPMoE(64, 32, 8, 2, backend="reference").lost is None
+    assert EPMoE(64, 32, 8, 2, backend="reference", fp8_dispatch=False).lost is None
 
 
 def test_elastic_layer_reports_lost_experts():

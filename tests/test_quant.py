@@ -84,3 +84,19 @@ def test_fp8_bytes_exact_on_gpu(tokens, hidden, group):
     q_ref, scales_ref = quantize_reference(x, group)
     assert torch.equal(scales, scales_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_a_non_finite_value_spoils_its_group():
+    """What the docs warn of: an inf in a token makes its whole FP8 group non-finite once dequantized (the
+    group's amax, and so its scale, is inf), in the kernel and in the reference; the token's other group
+    and the other tokens keep finite values. A NaN spoils its group in the reference (torch's amax
+    propagates it), while the kernel's maximum skips it: there the group's other values stay finite."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = _inputs(3, 256, device)
+    x[0, 5], x[1, 200] = float("inf"), float("nan")
+    for quantize in (quantize_fp8, quantize_reference):
+        y = dequantize_fp8(*quantize(x, 128)).cpu()
+        assert not y[0, :128].isfinite().any() and y[0, 128:].isfinite().all(), quantize
+        assert y[1, :128].isfinite().all() and y[2].isfinite().all(), quantize
+    assert dequantize_fp8(*quantize_reference(x, 128))[1, 128:].isnan().all()
+    assert dequantize_fp8(*quantize_fp8(x, 128))[1, 128:].cpu().isfinite().sum() >= 127     # all but the NaN's own

@@ -17,8 +17,8 @@ SGLang's MoE modules import torchvision (through sglang.srt.configs), and PyPI's
 only beside PyPI's torch build: run these in an environment with both (``.ci/run`` makes one).
 
 Elastic mode (CPU): under SGLang's elastic EP (--elastic-ep-backend) the factory asks for elastic
-all-to-alls, refuses the reference backend, a process joining a running deployment and room for more
-ranks; a simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
+all-to-alls, refuses it without --enable-eplb, the reference backend, a process joining a running deployment
+and room for more ranks; a simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
 MoeEpDispatchers, where a rank stops answering: the others' combine completes after one timeout without
 its experts, lost() reports them, SGLang's active_ranks has the rank cleared, later calls wait for nothing.
 
@@ -270,6 +270,9 @@ def _refusals(rank, world):
         with pytest.raises(ValueError, match="MXFP8"):
             _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"use_mxfp8": True})
     with get_exec().moe.override(elastic_ep_backend="mooncake"):
+        with pytest.raises(ValueError, match="elastic EP .* needs --enable-eplb"):
+            moe_ep_sglang.make_dispatcher(config, backend="nvshmem")
+    with get_exec().moe.override(elastic_ep_backend="mooncake", enable_eplb=True):
         with pytest.raises(ValueError, match="elastic=True needs backend='nvshmem'"):
             _hooked_factory(config)
         assert moe_ep_sglang.make_dispatcher(config, backend="nvshmem").elastic      # built at the first dispatch

@@ -47,8 +47,10 @@ def fake_control(tmp_path, monkeypatch):
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    """torch sees one GPU of 132 SMs; set_device and init_process_group are recorded, not run."""
+    """torch sees one GPU of 132 SMs; set_device and init_process_group are recorded, not run; torchrun's RANK
+    is set."""
     record = {}
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",

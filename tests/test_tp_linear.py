@@ -191,6 +191,14 @@ def _async_tp_on_the_reference_backend(rank, world):
     for bad, match in bad_options:
         with pytest.raises(ValueError, match=match):
             AsyncTP(**{"max_rows": world * rows, "max_features": 16, "backend": "reference", **bad})
+    with pytest.raises(ValueError, match=r"AsyncTP: the ranks of the group were built with different settings, .*: "
+                                         r"max_features \(16 on rank 0, 32 on ranks? 1"):
+        AsyncTP(max_rows=world * rows, max_features=16 if rank == 0 else 32, backend="reference")
+    with pytest.raises(ValueError, match=r"AsyncTP refused by rank 1: overlap must be one of"):
+        AsyncTP(max_rows=world * rows, max_features=16, backend="reference", overlap="never" if rank != 1 else "x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is usable here"):
+            AsyncTP(max_rows=world * rows, max_features=16, backend="reference", device="cuda")
 
 
 @pytest.mark.parametrize("world", [2, 4])

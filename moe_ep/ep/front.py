@@ -29,6 +29,17 @@ counts the signals depend on live on the device. Expert ids are range-checked by
 kernel itself (``validate=True``): an id outside [-1, E) is dropped like -1, and the next call
 (or ``check()``) raises a ValueError naming the call that saw it.
 
+Every rank of the group makes the same calls, so a call that one rank refuses must end on every rank.
+The constructor exchanges, once, every rank's settings and refusal (CommObject._agree_on_settings): a
+rank's bad argument raises CallRefusedError naming it on every rank, and ranks built with different
+settings (num_experts, hidden, ...) raise a ValueError naming the settings and the ranks. The reference
+backend, whose calls are host collectives, exchanges every rank's verdict on each dispatch and combine
+before the call's own collectives (CommObject._agree: one all_gather of 256 bytes a rank, bounded by
+``timeout_s``), so a rank's ValueError (too many tokens, an id out of range, a wrong shape) raises
+CallRefusedError naming that rank and its reason on every rank, and no rank is left inside a collective.
+On the nvshmem backend the refusing rank raises its ValueError before any launch, and its peers' waits
+end at ``timeout_s`` in CommTimeoutError: the kernels do not carry a refusal to the peers yet.
+
 Elastic mode (``elastic=True``): a rank that dies no longer stops the others. Each rank keeps a
 live mask on the device, which every kernel reads. A wait that runs past ``timeout_s`` on a peer
 marks that peer dead in every rank's mask (its own too) and the call completes among the others;
@@ -45,7 +56,8 @@ with their processes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 import torch
@@ -78,6 +90,7 @@ class EPHandle:
     received: bool = False
     lost: torch.Tensor | None = None       # elastic: [T, K] bool, True where expert k of token t was on a rank
                                            # the combine went on without (valid after the combine's receive)
+    owner: object = field(default=None, repr=False, compare=False)   # the EPAllToAll whose dispatch made it
 
 
 def _from_config(name: str) -> property:
@@ -95,9 +108,13 @@ class EPAllToAll(runtime.CommObject):
         topk: K, 1..16.
         group: the process group (NVSHMEM backend: NVSHMEM spans its ranks; one such group per process).
         dtype: dtype of x, of expert_out and of combine's output.
-        fp8_dispatch: quantize tokens to FP8 e4m3 (per ``fp8_group`` columns) inside dispatch.
+        fp8_dispatch: quantize tokens to FP8 e4m3 (per ``fp8_group`` columns) inside dispatch. Keep tokens
+            finite: an inf anywhere in a group of fp8_group columns makes the group's scale inf and every
+            value of the group non-finite once dequantized; so does a NaN on the reference backend, whose
+            maximum (torch's amax) propagates it (the kernels' maximum skips it).
         backend: "nvshmem" (Triton kernels over NVLink) or "reference" (torch.distributed).
-        timeout_s: bound of every device-side wait.
+        timeout_s: bound of every device-side wait, and on the reference backend of the exchange by which
+            every rank agrees to a call.
         validate: range-check topk_ids on the device (reported by the next call or check()).
         timing: record per-phase device timestamps of every call, for ``breakdown()``.
         num_sms: at most this many SMs' worth of programs per kernel (None: every SM), so that the
@@ -123,8 +140,17 @@ class EPAllToAll(runtime.CommObject):
                  num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
-        self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
-                        dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms, elastic)
+        refusal = None
+        try:
+            self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
+                            dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms, elastic)
+            self._place(group, backend, device)
+        except ValueError as error:
+            refusal = error
+        settings = dict(max_tokens=max_tokens, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
+                        fp8_group=fp8_group if fp8_dispatch else None, backend=backend, num_sms=num_sms,
+                        elastic=elastic)
+        self._agree_on_settings("EPAllToAll", settings, refusal, group)
         sms = self._open(group, backend, device)
         if sms is None:                                   # the reference backend: no NVSHMEM
             self._build(EPResources(group, self.device))
@@ -187,6 +213,16 @@ class EPAllToAll(runtime.CommObject):
             super()._raise_if_failed()
             self.protocol.raise_reported()
 
+    def _agreed(self, what: str, check, *args) -> None:
+        """check(*args), this rank's checks of a call, then every rank's verdict on it (``_agree``: where the
+        protocol's calls are host collectives): CallRefusedError on every rank if any rank refused."""
+        refusal = None
+        try:
+            check(*args)
+        except ValueError as error:
+            refusal = error
+        self._agree(what, refusal)
+
     def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode) -> bool:
         """True if every check of _check_dispatch_args passes, in one expression: the common case at a
         third of the host time of the checks that name what is wrong."""
@@ -223,7 +259,8 @@ class EPAllToAll(runtime.CommObject):
         """True if every check of _check_combine_args passes, in one expression (as _dispatch_args_pass)."""
         try:
             c, device = self.config, self.device
-            return (isinstance(handle, EPHandle) and handle.received and self._dispatches < handle.call + self._slots
+            return (isinstance(handle, EPHandle) and handle.owner is self and handle.received
+                    and self._dispatches < handle.call + self._slots
                     and expert_out.dtype == c.dtype and expert_out.shape == c.expert_rows
                     and expert_out.device == device and expert_out.is_contiguous()
                     and (out is None or (out.dtype == c.dtype and out.shape == (handle.num_tokens, c.hidden)
@@ -238,6 +275,9 @@ class EPAllToAll(runtime.CommObject):
         self._expect("expert_out", expert_out, (self.dtype,), shape=self.config.expert_rows)
         if not isinstance(handle, EPHandle) or not handle.received:
             raise ValueError("combine needs the handle of a dispatch whose receive has completed")
+        if handle.owner is not self:
+            raise ValueError("combine needs a handle of this EPAllToAll's own dispatch, and this one came from "
+                             "another EPAllToAll")
         if self._dispatches >= handle.call + self._slots:
             raise ValueError("stale handle: its dispatch buffers were reused by a later dispatch")
         if out is not None:
@@ -267,20 +307,24 @@ class EPAllToAll(runtime.CommObject):
         The outputs stay valid until the dispatch after next.
         """
         self._raise_if_failed()
-        self._check_dispatch_args(x, topk_ids, topk_weights, mode)
+        if self.protocol.agrees_on_calls:
+            self._agreed("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode)
+        else:
+            self._check_dispatch_args(x, topk_ids, topk_weights, mode)
         slot = self._dispatches % self._slots
         self._dispatches += 1
         call, protocol = self._dispatches, self.protocol
         if return_recv_hook and not protocol.receives_at_send:
             protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
             recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-            handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, lost=protocol.lost(slot, x.shape[0]))
+            handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, lost=protocol.lost(slot, x.shape[0]),
+                              owner=self)
             self._in_flight["dispatch"] += 1
             return recv_x, recv_scales, recv_count, handle, _ReceiveHook(
                 "dispatch", functools.partial(self._dispatch_received, slot, handle))
         protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode)
         recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True, protocol.lost(slot, x.shape[0]))
+        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True, protocol.lost(slot, x.shape[0]), self)
         return (recv_x, recv_scales, recv_count, handle, _no_hook) if return_recv_hook else \
             (recv_x, recv_scales, recv_count, handle)
 
@@ -307,7 +351,10 @@ class EPAllToAll(runtime.CommObject):
             hook (with return_recv_hook=True): launches the receive; read y only after it.
         """
         self._raise_if_failed()
-        self._check_combine_args(expert_out, handle, out)
+        if self.protocol.agrees_on_calls:
+            self._agreed("combine", self._check_combine_args, expert_out, handle, out)
+        else:
+            self._check_combine_args(expert_out, handle, out)
         slot = self._combines % self._slots
         self._combines += 1
         protocol = self.protocol
@@ -341,6 +388,25 @@ class EPAllToAll(runtime.CommObject):
             raise ValueError("a dispatch or combine is in flight: call its receive hook before masking ranks")
         self._raise_if_failed()
         self.protocol.mask_ranks(ranks)
+
+    def keep_ranks(self, live: torch.Tensor) -> None:
+        """Count dead from the next call on (``elastic=True``) every rank whose word of `live` is 0: `live` is
+        int [W] on this object's device (an engine's mask of the group's ranks, 1 = live), read on the device
+        in stream order, with no sync (a CUDA graph can hold it): ``mask_ranks`` for a mask the host has not
+        read. This rank's own word is not read (a rank cannot mask itself), and a rank counted dead stays
+        dead. Collective over the survivors as mask_ranks is: each calls it between the same two calls."""
+        if not self.elastic:
+            raise ValueError("keep_ranks needs EPAllToAll(..., elastic=True)")
+        self._expect("live", live, IDS_DTYPES, shape=(self.world,), contiguous=False)
+        if any(self._in_flight.values()):
+            raise ValueError("a dispatch or combine is in flight: call its receive hook before masking ranks")
+        self._raise_if_failed()
+        self.protocol.keep_ranks(live)
+
+    @property
+    def in_flight(self) -> int:
+        """Dispatches and combines issued with return_recv_hook=True whose receive hook is not yet called."""
+        return self._in_flight["dispatch"] + self._in_flight["combine"]
 
     def live_ranks(self) -> list[int]:
         """The ranks this one counts live: all of them unless elastic mode lost or masked some. Reads the
@@ -467,5 +533,5 @@ def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispat
             raise ValueError(f"hidden={hidden} is not a multiple of fp8_group={fp8_group}")
     elif hidden % 8:
         raise ValueError(f"hidden={hidden} must be a multiple of 8")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")

@@ -13,7 +13,7 @@ What it offers, each launch on the current stream:
     dispatch(...), combine(...) -> y                             # both phases (one launch where it may)
     combined(slot, num_tokens)                                   # combine's y [T, H] when no `out` is given
     lost(dispatch_slot, num_tokens)                              # [T, K] bool: experts an elastic combine lost
-    mask_ranks(ranks), live_ranks()                              # elastic: the ranks counted live
+    mask_ranks(ranks), keep_ranks(live), live_ranks()            # elastic: the ranks counted live
 
 A protocol whose sends deliver at once (``receives_at_send``: the reference) offers dispatch and
 combine only: the front runs them whole and hands out a hook that does nothing.
@@ -117,6 +117,7 @@ class EPProtocol:
     name = ""
     slots = 2
     receives_at_send = False   # sends deliver at once: the front runs both phases and hands out a no-op hook
+    agrees_on_calls = False    # calls are host collectives: every rank's verdict on a call is exchanged first
     checks_ids_on_host = False   # topk_ids are range-checked by check_ids before a dispatch, not on the device
     one_launch_tokens = 0      # "auto" dispatches of more tokens take the prefill tiles
     status: torch.Tensor | None = None
@@ -258,6 +259,18 @@ class KernelProtocol(EPProtocol):
     def mask_ranks(self, ranks: list[int]) -> None:
         """Count `ranks` dead from the next launch on (stream-ordered: no sync)."""
         self.live[ranks] = 0
+
+    def keep_ranks(self, live: torch.Tensor) -> None:
+        """Count dead from the next launch on every rank but this one whose word of `live` [W] is 0
+        (stream-ordered: no sync)."""
+        self.live.mul_((live != 0).to(self.live.dtype) | self._own_word)
+
+    @functools.cached_property
+    def _own_word(self) -> torch.Tensor:
+        """int32 [W]: 1 at this rank, 0 elsewhere (what keep_ranks never clears)."""
+        word = self.local((self.config.world,), torch.int32)
+        word[self.config.rank] = 1
+        return word
 
     def live_ranks(self) -> list[int]:
         """The ranks this one counts live (reads the device: a sync)."""

@@ -3,7 +3,9 @@
 
 Its sends deliver at once (``receives_at_send``): dispatch returns its outputs received, combine its sums,
 and the front hands out receive hooks that do nothing. Expert ids are range-checked on the host before
-anything is sent, since this path waits for the host anyway.
+anything is sent, since this path waits for the host anyway. Its calls are host collectives
+(``agrees_on_calls``): before each, the front exchanges every rank's verdict on it, so that a call one
+rank refuses is refused on every rank before any rank enters a collective of it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class ReferenceProtocol(EPProtocol):
     name = "reference"
     receives_at_send = True
     checks_ids_on_host = True
+    agrees_on_calls = True
 
     def __init__(self, config: EPConfig, resources: EPResources):
         super().__init__(config, resources)

@@ -8,7 +8,8 @@
 ``all_to_all``, the EPAllToAll of one layer shape, made once per process (``destroy_all_to_alls`` frees
 them all at the end of a job), ``check_local_experts``, and for elastic mode ``elastic_all_to_alls`` and
 ``live_mask``: the ranks the elastic all-to-alls count live, read on the device, where an engine keeps its
-own mask of live ranks.
+own mask of live ranks, and ``mask_inactive``, which masks in an all-to-all the ranks the engine's mask
+counts inactive.
 """
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ def live_mask(all_to_alls: list[EPAllToAll]) -> torch.Tensor:
     for ep in all_to_alls[1:]:
         mask = mask * ep.live_mask
     return mask
+
+
+def mask_inactive(all_to_all: EPAllToAll, active: torch.Tensor) -> None:
+    """Mask in the elastic `all_to_all` every rank an engine counts inactive: `active` is int [W] on its
+    device, 1 for each rank of its group the engine counts active. Read on the device, in stream order, with
+    no sync (EPAllToAll.keep_ranks); while a call of the all-to-all is in flight (its receive hook not yet
+    called) it does nothing, and the next call between two calls masks them."""
+    if not all_to_all.in_flight:
+        all_to_all.keep_ranks(active)
 
 
 def destroy_all_to_alls() -> None:

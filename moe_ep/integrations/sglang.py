@@ -36,8 +36,11 @@ ranks it counts active in ElasticEPStateManager's ``active_ranks`` (int32 on the
 which its elastic dispatchers clear where a rank times out; after a forward in which that mask changed,
 it re-places the experts on the active ranks (EPLB, with --enable-eplb and its elasticity-aware
 algorithm) and runs the forward again. Under that option make_dispatcher builds the all-to-all elastic
-(nvshmem backend only), and after every combine the dispatcher clears in ``active_ranks`` the ranks the
-all-to-all lost, on the device (no sync; CUDA graphs keep it). What SGLang's elastic EP does beyond that
+(nvshmem backend only; without --enable-eplb it refuses, since SGLang then has nothing to re-place the
+experts with after a loss), after every combine the dispatcher clears in ``active_ranks`` the ranks the
+all-to-all lost, and before every dispatch it masks in the all-to-all the ranks ``active_ranks`` counts
+inactive (``integrations.mask_inactive``: a rank SGLang marked inactive is not waited for), both on the
+device (no sync; CUDA graphs keep it). What SGLang's elastic EP does beyond that
 is refused: a process joining a running deployment (--elastic-ep-join-mode: recovering a lost rank, or
 scaling up) and room for more ranks than the group has (--max-ep-size), since NVSHMEM's ranks are fixed
 when the first all-to-all is built. The dispatcher also offers ``live_ranks()``, ``mask_ranks(ranks)``
@@ -67,7 +70,7 @@ from sglang.srt.layers.moe.utils import (DeepEPMode, DispatcherOutputDtype, get_
 from sglang.srt.runtime_context import get_exec, get_parallel
 
 from ..ep import EPAllToAll, EPHandle, check_config
-from . import FP8_BLOCK, all_to_all, check_local_experts, live_mask
+from . import FP8_BLOCK, all_to_all, check_local_experts, live_mask, mask_inactive
 
 SGLANG_VERSION = "0.5.23"
 ENABLE_VARIABLE = "MOE_EP_SGLANG"  # an EPAllToAll backend: DeepEP's dispatchers become MoeEpDispatchers on it
@@ -102,9 +105,15 @@ def make_dispatcher(config: MoeRunnerConfig, group=None, backend: str = "nvshmem
 
 
 def _check_elastic_ep(group=None) -> None:
-    """ValueError for what SGLang's published elastic EP settings ask and moe_ep cannot honour: this process
-    joining a running deployment, or room for more ranks than `group` has. NVSHMEM's ranks are fixed when
-    the first all-to-all is built: a lost rank is masked for good, and no rank joins later."""
+    """ValueError for what SGLang's published elastic EP settings ask and moe_ep cannot honour: elastic EP
+    without EPLB (after a loss SGLang re-places the experts through its EPLB manager, which exists only with
+    --enable-eplb), this process joining a running deployment, or room for more ranks than `group` has.
+    NVSHMEM's ranks are fixed when the first all-to-all is built: a lost rank is masked for good, and no
+    rank joins later."""
+    if not get_exec().moe.enable_eplb:
+        raise ValueError("elastic EP (--elastic-ep-backend) needs --enable-eplb: after a rank is lost SGLang "
+                         "re-places its experts on the ranks left through the EPLB manager, which only "
+                         "--enable-eplb creates")
     join = get_exec().moe.ep_join_mode
     if join is not None:
         raise ValueError(f"moe_ep cannot take a rank into a running job (--elastic-ep-join-mode {join}): NVSHMEM's "
@@ -128,7 +137,7 @@ class MoeEpDispatcher(BaseDispatcher):
     dispatch's outputs stay valid until the dispatch after next (two sub-batches in flight).
     elastic: build the all-to-all elastic (nvshmem backend only): combine's sum leaves out the experts of
     lost ranks, without renormalizing; lost() says which, and SGLang's elastic EP state, where there is
-    one, learns which ranks were lost.
+    one, learns which ranks were lost, and its inactive ranks are masked before each dispatch.
     """
 
     dispatch_mode = DeepEPMode.LOW_LATENCY      # what get_deepep_output_dtype reads for mode-specific dtypes
@@ -210,7 +219,12 @@ class MoeEpDispatcher(BaseDispatcher):
                              f"got {type(topk_output).__name__}")
         self._take("dispatch_a", tbo_subbatch_index, "idle")
         topk_ids, topk_weights = topk_output.topk_ids, topk_output.topk_weights
-        *received, hook = self.all_to_all(hidden_states.device).dispatch(
+        ep = self.all_to_all(hidden_states.device)
+        if self.elastic:
+            state = ElasticEPStateManager.instance()
+            if state is not None:
+                mask_inactive(ep, state.active_ranks[self._members])
+        *received, hook = ep.dispatch(
             hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), return_recv_hook=True)
         tokens = hidden_states.shape[0]
         expected_m = (tokens * self.world * self.topk + self.num_experts) // self.num_experts   # DeepEP's hint

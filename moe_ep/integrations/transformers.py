@@ -88,13 +88,27 @@ def _shared_experts(block: nn.Module) -> nn.Module | None:
 
 
 def swap_moe(model: nn.Module, group=None, verify: bool = True, **options) -> nn.Module:
-    """Replace every sparse MoE block of `model` (a module with a router and .experts) by an EPMoE holding
-    this rank's experts (collective: every rank calls it with the same model). Options go to EPMoE
-    (backend, max_tokens, fp8_dispatch, ...). Returns the model.
+    """Replace, in place, every sparse MoE block of `model` (a module with a router and .experts) by an EPMoE
+    holding this rank's experts, and return the model (the same object). Collective: every rank calls it
+    with the same model, weights loaded, and then runs every forward.
 
-    With verify (the default) every new layer is first compared with the block it replaces on
-    PROBE_TOKENS random tokens per rank (see ``verify_layer``); if any differs beyond the rounding
-    of its dtype, ValueError names the block and the difference, and the model is left unchanged.
+    Each EPMoE keeps the block's router and shared experts (the same modules) and copies this rank's
+    share of the block's expert weights (experts [r * E / W, (r + 1) * E / W) of rank r), in their dtype and
+    on their device: swap a model whose weights are loaded, on the CPU or on this process's GPU (a model
+    swapped on the CPU may be moved to the GPU afterwards). The other ranks' experts are no longer held.
+
+    Args:
+        group: the process group the experts are spread over (default: the world).
+        verify: first compare every new layer with the block it replaces on PROBE_TOKENS random tokens per
+            rank (``verify_layer``); if any differs beyond the rounding of its dtype, ValueError names the
+            block and the difference.
+        options: EPMoE's: backend ("nvshmem", the default: NVSHMEM kernels on this process's GPU, one per
+            rank; "reference": torch.distributed collectives, CPU too), max_tokens (most tokens per rank in
+            one forward, default 4096), fp8_dispatch, fp8_group, fp8_experts, elastic.
+
+    Whatever it refuses (a block it cannot reproduce, an option EPMoE refuses, a backend that cannot run in
+    this process, a failed verification) raises ValueError before any block is replaced: a model is never
+    changed in part, nor silently.
     """
     blocks = [(name, module) for name, module in model.named_modules() if getattr(module, "experts", None) is not None]
     if not blocks:

@@ -24,17 +24,34 @@ the token is the caller's choice, and the layer makes none of them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ep import EPAllToAll
+from .. import runtime
+from ..ep import EPAllToAll, check_config
 from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, gated_mlp
 from ..kernels.quant import quantize_weights_fp8
 
 
 class EPMoE(nn.Module):
     """Expert-parallel gated-MLP experts behind a router.
+
+    The layer holds this rank's experts only: gate_up_proj [E_loc, 2I, H] and down_proj [E_loc, H, I],
+    experts [first_expert, first_expert + experts_per_rank) of the E. They start as PyTorch initialises
+    an nn.Linear's weight (``reset_parameters``: uniform in +-1/sqrt(fan_in), H for gate_up_proj and I for
+    down_proj), drawn from this rank's torch RNG: a trained model's experts are loaded into them, this
+    rank's slice of each (``gate_up[layer.first_expert:layer.first_expert + layer.experts_per_rank]``
+    copied into ``layer.gate_up_proj``, or ``load_state_dict``), as ``swap_moe`` copies them from the block
+    it replaces.
+
+    The all-to-all (EPAllToAll, collective) is built at the first forward on the device the weights are
+    on then; every rank must run every forward, with its own tokens (zero tokens too). Every option is
+    checked here: a value EPAllToAll would refuse, or backend="nvshmem" in a process without a usable GPU
+    or nvshmem4py, raises ValueError at construction (elastic=True with the reference backend: at the first
+    forward).
 
     Args:
         hidden, intermediate: H and I of every expert.
@@ -46,7 +63,10 @@ class EPMoE(nn.Module):
         shared_experts: module mapping tokens [T, H] to an output added to the experts' sum.
         routed_scaling_factor: the experts' weighted sum is multiplied by it (applied to the weights).
         max_tokens: most tokens one forward may carry per rank.
-        fp8_dispatch, fp8_group, backend: passed to EPAllToAll (backend "nvshmem" or "reference").
+        fp8_dispatch, fp8_group, backend: passed to EPAllToAll (backend "nvshmem": the NVSHMEM kernels on
+            this process's GPU; "reference": torch.distributed collectives, on any device, CPU too). FP8
+            dispatch quantizes each token in groups of fp8_group columns: keep tokens finite (an inf makes
+            its whole group NaN).
         fp8_experts: run the experts on FP8 tensor cores: this rank's weights are quantized once, at
             the first forward (128 x 128 blocks, ``quantize_weights_fp8``; call ``quantize_experts()``
             again after changing them), FP8 rows from dispatch are used as they come, the
@@ -56,6 +76,7 @@ class EPMoE(nn.Module):
             forward): the layer goes on without lost ranks, y leaves out their experts without
             renormalizing (see the module's docstring), and after each forward ``lost`` is its [T, K] bool
             report over the flattened tokens, valid until the forward after next (None unless elastic).
+        dtype, device: of the weights (and so of the tokens the layer takes).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, group=None,
@@ -70,12 +91,13 @@ class EPMoE(nn.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} or a callable, got {activation!r}")
         if not callable(activation) and not isinstance(activation, str):
             raise ValueError(f"activation must be a name or a callable, got {type(activation).__name__}")
-        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
-                            ("topk", topk), ("max_tokens", max_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_experts % world:
-            raise ValueError(f"num_experts={num_experts} is not a multiple of the world size {world}")
+        if not isinstance(intermediate, int) or intermediate < 1:
+            raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
+        check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend)
+        if backend == "nvshmem" and (unavailable := runtime.nvshmem_unavailable()):
+            raise ValueError(f"backend='nvshmem' cannot run in this process: {unavailable}; use backend='reference' "
+                             "(torch.distributed collectives, CPU too)")
+        device = runtime.checked_device(device)
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
         self.group, self.max_tokens, self.backend, self.elastic = group, max_tokens, backend, elastic
         self.lost: torch.Tensor | None = None      # elastic: the last forward's [T, K] lost-expert report
@@ -94,6 +116,18 @@ class EPMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.experts_per_rank, hidden, intermediate,
                                                   dtype=dtype, device=device))
         self._all_to_all: EPAllToAll | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's weights as nn.Linear initialises its weight (kaiming_uniform_ with a = sqrt(5)):
+        uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)], fan_in = H for gate_up_proj and I for down_proj (the
+        features each of their rows multiplies). nn.init's own fan_in of a 3-D tensor would count the
+        expert dimension's neighbours too, so the bound is applied directly."""
+        with torch.no_grad():
+            for weight, fan_in in ((self.gate_up_proj, self.hidden), (self.down_proj, self.intermediate)):
+                bound = 1 / math.sqrt(fan_in)
+                weight.uniform_(-bound, bound)
+        self._fp8_weights = None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:

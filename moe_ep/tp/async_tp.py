@@ -67,7 +67,8 @@ def _config_field(name: str, settable: bool = False) -> property:
 
 class AsyncTP(runtime.CommObject):
     """All-gather GEMM, GEMM reduce-scatter and GEMM all-reduce over one process group (collective
-    constructor).
+    constructor: a bad argument on one rank raises CallRefusedError naming it on every rank, and ranks
+    built with different bounds, dtype, backend, overlap or tile loop raise a ValueError naming them).
 
     Args:
         max_rows: most rows M of any call (the gathered A, the un-scattered output).
@@ -95,8 +96,16 @@ class AsyncTP(runtime.CommObject):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         rank = dist.get_rank(group)
-        self._configure(TPConfig(dist.get_world_size(group), rank, max_rows, max_features, dtype, backend, overlap,
-                                 timeout_s, tile_loop))
+        refusal = None
+        try:
+            self._configure(TPConfig(dist.get_world_size(group), rank, max_rows, max_features, dtype, backend,
+                                     overlap, timeout_s, tile_loop))
+            self._place(group, backend, device)
+        except ValueError as error:
+            refusal = error
+        settings = dict(max_rows=max_rows, max_features=max_features, dtype=dtype, backend=backend, overlap=overlap,
+                        tile_loop=tile_loop)
+        self._agree_on_settings("AsyncTP", settings, refusal, group)
         sms = self._open(group, backend, device)
         self.tuner = Autotuner(self.config, group, self.device)
         if sms is None:

@@ -2,6 +2,7 @@
 (``TPBuffers``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,9 @@ class TPConfig:
             raise ValueError(f"max_rows={self.max_rows} is not a multiple of the group size {self.world}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {self.timeout_s!r}")
         if self.tile_loop not in FUSED_VARIANTS:
             raise ValueError(f"tile_loop must be one of {FUSED_VARIANTS}, got {self.tile_loop!r}")
 
