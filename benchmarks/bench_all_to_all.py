@@ -21,12 +21,19 @@ and, in the same process, eager:
              put rows in expert order (combine: the weighted sums per (token, rank), one
              all_to_all_single back, an index_add)
   reference  moe_ep.reference, the test oracle (all_to_all_single of (token, expert) rows)
-HBM floor: `floor_us` is the time the bytes an op must move through this rank's HBM take at the GPU's
+Floors: `floor_us` is the time the bytes an op must move through this rank's HBM take at the GPU's
 datasheet peak (moe_ep.routing.hbm_bytes, counted from every rank's routing of the setting: x read, rows
 staged and read back, each hit's row written to its expert; combine: each hit's expert row read, the
-per-rank partial sums staged and read back, y written; timing.floor_us), and `x_floor` = graph time /
-floor_us (1 would be at the floor). Link GB/s: bytes that leave the GPU (FP8 rows and scales, or bf16
-rows; each token once per destination rank) over the graph time. `--breakdown` reruns the decode
+per-rank partial sums staged and read back, y written; timing.floor_us). On several ranks
+`link_floor_us` is the time the bytes it must move over this GPU's links take at NVLink's datasheet peak
+in one direction (moe_ep.routing.link_bytes: each token once per other rank its experts live on, its FP8
+row, scales, ids and weights, or its bf16 partial back; the busier direction; timing.link_floor_us), and
+`copy_floor_us` the same at the rate the copy engines reach on this machine, measured first
+(peer_copy_GBps: every rank writing to every other at once). `x_floor` = graph time / the larger of
+floor_us and link_floor_us (1 would be at the floor). Link GB/s: the link bytes over the graph time.
+DeepEP: where bench_deepep.py wrote deepep_<world>ranks.json into the same --out (a job of its own, run
+first), its times join each setting's row with ours over them (beside_deepep), in a table of their own.
+`--breakdown` reruns the decode
 settings (up to 512 tokens) with device timestamps and prints, per rank, where a call spends its time.
 `--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png. `--crossover` first
 builds an object for the largest --tokens and reports where its eager dispatches of the decode tiles

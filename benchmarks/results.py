@@ -3,7 +3,7 @@
     python benchmarks/results.py benchmarks/results/*.json
 
 Each file becomes one section headed by where and when it ran (device, ranks, date, torch and
-triton versions). EP all-to-all files (bench_all_to_all.py) get their latency table, the NCCL
+triton versions, and the machine and command where the file records them), newest first. EP all-to-all files (bench_all_to_all.py) get their latency table, the NCCL
 baselines, the eager crossover (--crossover) and the per-phase breakdown; any other file gets a table
 of the scalar columns of each list of rows it holds ('-' where a row has no such entry).
 """
@@ -25,8 +25,13 @@ PHASES = ("send", "signal", "wait", "recv")
 
 def header(data: dict, path: Path) -> str:
     where = f"{data.get('world', '?')}x {data.get('device', '?')}"
-    return (f"### {path.stem}: {where}\n\n{data.get('date', '?')}, torch {data.get('torch', '?')}, "
+    text = (f"### {path.stem}: {where}\n\n{data.get('date', '?')}, torch {data.get('torch', '?')}, "
             f"triton {data.get('triton', '?')}\n")
+    if "machine" in data:
+        text += f"\nMachine: {data['machine']}.\n"
+    if "command" in data:
+        text += f"\nCommand: `{data['command']}`\n"
+    return text
 
 
 def ep_section(data: dict) -> str:
@@ -73,14 +78,20 @@ def generic_section(data: dict) -> str:
 
 
 def main(paths: list[str]) -> None:
-    sections = []
-    for path in map(Path, sorted(paths)):
+    if not paths or paths[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return
+    runs = []
+    for path in map(Path, paths):
         data = json.loads(path.read_text())
         is_ep = "settings" in data and data["settings"] and "dispatch_graph_us" in data["settings"][0]
-        sections.append(header(data, path) + (ep_section(data) if is_ep else generic_section(data)))
+        runs.append((data.get("date", ""), header(data, path) + (ep_section(data) if is_ep else generic_section(data))))
     out = Path(__file__).with_name("RESULTS.md")
     out.write_text("# Measured results\n\nWritten by `python benchmarks/results.py` from the JSON in "
-                   "`benchmarks/results/`; each section says where it ran.\n\n" + "\n".join(sections))
+                   "`benchmarks/results/`; each section says where and when it ran, newest first: the first "
+                   "section of a benchmark on a machine is its current result, the later ones are history (the "
+                   "before and after of a change).\n\n"
+                   + "\n".join(text for _, text in sorted(runs, key=lambda run: run[0], reverse=True)))
     print(f"wrote {out}")
 
 

@@ -137,10 +137,11 @@ def why_untimed(device: torch.device) -> str | None:
 
 
 def environment() -> dict:
-    """Where a benchmark ran: device, world size, date, torch and triton versions."""
+    """Where and how a benchmark ran: device, world size, date, torch and triton versions, its command line."""
     return {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "triton": triton.__version__}
+            "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])}
 
 
 # Dense peaks of the GPUs the benchmarks quote floors for, by a word of the device's name: bf16 and FP8

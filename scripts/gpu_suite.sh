@@ -8,16 +8,17 @@
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
 #             two model shapes at their decode and prefill rows). On one H200: 422-466 s with a warm compile cache
 #             (see below); cold, over 575 s (benchmarks/NOTES.md, "The quick GPU suite").
-# multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic EP's
-#             at 4 ranks), the tutorials, and the EP (DeepEP beside us, where .deepep/ holds its source), MoE-layer
-#             and async-TP benchmarks at every GPU; the tests and the tutorials run side by side (the GPUs
-#             time-slice between the jobs), the benchmarks one at a time, alone
+# multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
+#             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep), the tutorials, and the
+#             EP (DeepEP beside us, where .deepep/ holds its source), MoE-layer and async-TP benchmarks at every
+#             GPU; the tests and the tutorials run side by side (the GPUs time-slice between the jobs), the
+#             benchmarks one at a time, alone
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
-# deepep      DeepEP's build (.deepep/, ../shared/deepep/README.md) and its benchmark beside ours (bench_deepep.py)
+# deepep      DeepEP's build (its V1 source in .deepep/, with .deepep/build.sh) and its benchmark beside ours
 # bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200);
 # bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
 #
@@ -152,7 +153,7 @@ deepep_build() {   # deepep_build step|lane: build DeepEP in .deepep/ where its 
 }
 deepep_bench() {   # DeepEP's benchmark in a job of its own, where its build is in .deepep/ (bench_all_to_all merges it)
   if ! compgen -G ".deepep/deep_ep_cpp*.so" >/dev/null; then
-    skip bench_deepep "no DeepEP build in .deepep/ (../shared/deepep/README.md)"
+    skip bench_deepep "no DeepEP build in .deepep/"
     return
   fi
   step bench_deepep 150 env PYTHONPATH="$PWD/.deepep:$PYTHONPATH" bash launch.sh benchmarks/bench_deepep.py --out "$out"
@@ -186,10 +187,10 @@ for part in $parts; do
       # Three lanes of jobs side by side, a rank on every GPU: EP and NVSHMEM's wrappers, then elastic EP; async
       # TP, the MoE layer and quant, then the engines; the tutorials; DeepEP's build on the CPUs beside them.
       # Then the benchmarks, one at a time on an otherwise idle machine. Limits: 1.5-2x each step's time on
-      # 4 x H200 with a warm compile cache (benchmarks/NOTES.md, "The multi-GPU suite").
+      # 4 x H200 (benchmarks/NOTES.md, "On 2 and 4 GPUs").
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
-      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
+      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_ep_gpu.py tests/test_shmem_gpu.py --and-then multi_elastic 240 python3 -m pytest -q -rs -s -m gpu \
         tests/test_ep_elastic.py
       lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
