@@ -1,5 +1,6 @@
 """launch.sh: argument handling, the CPU fallback, and the environment it leaves alone."""
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,11 @@ def launch(*args, env=None, timeout=300):
     (("--heap", "lots", "launch.sh"), "--heap"),
     (("--bogus", "launch.sh"), "unknown option"),
     (("--log-dir",), "--log-dir needs a value"),
+    (("--nnodes", "2", "launch.sh"), "--node-rank in 0..1"),
+    (("--nnodes", "2", "--node-rank", "2", "--rdzv", "node0:29500", "launch.sh"), "--node-rank in 0..1"),
+    (("--nnodes", "2", "--node-rank", "1", "launch.sh"), "--rdzv HOST:PORT"),
+    (("--nnodes", "2", "--node-rank", "1", "--rdzv", "node0", "launch.sh"), "--rdzv HOST:PORT"),
+    (("--rdzv", "node0:29500", "launch.sh"), "go with --nnodes"),
 ])
 def test_bad_arguments(args, message):
     result = launch(*args)
@@ -54,6 +60,36 @@ def test_runs_every_rank_and_passes_multicast_settings_through(tmp_path):
     assert logged == lines                               # --log-dir kept each rank's own output
     if torch.cuda.device_count() == 0:
         assert "no GPU visible, running 2 CPU processes on gloo (reference path)" in result.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_meet_at_node_zero(tmp_path):
+    """Two launches on this machine stand for two nodes: each starts one process, they meet at node 0's
+    rendezvous, ranks come out node-major, an all-reduce spans both, and NVSHMEM's remote transport is left
+    to the environment."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, pathlib, sys, torch, torch.distributed as dist\n"
+        "from moe_ep import runtime\n"
+        "device = runtime.init_distributed()\n"
+        "total = torch.tensor([dist.get_rank() + 1.0], device=device)\n"
+        "dist.all_reduce(total)\n"
+        "words = [os.environ['RANK'], os.environ['WORLD_SIZE'], str(int(total.item())),\n"
+        "         str(os.environ.get('NVSHMEM_REMOTE_TRANSPORT'))]\n"
+        "(pathlib.Path(sys.argv[1]) / f\"rank{os.environ['RANK']}.txt\").write_text(' '.join(words))\n"
+        "runtime.finalize_distributed()\n")
+    env = {k: v for k, v in os.environ.items() if k != "NVSHMEM_REMOTE_TRANSPORT"}
+    node = ["bash", str(ROOT / "launch.sh"), "--nproc", "1", "--nnodes", "2", "--rdzv", f"127.0.0.1:{free_port()}"]
+    nodes = [subprocess.Popen([*node, "--node-rank", str(r), str(script), str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
+    outputs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outputs)
+    assert sorted(path.read_text() for path in tmp_path.glob("rank*.txt")) == ["0 2 3 None", "1 2 3 None"]
 
 
 def test_never_sets_multicast_variables():
