@@ -2,12 +2,13 @@
 
 NCCL cannot run with several ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as
 host copies; CPU tensors (a model not yet moved to its GPU) cross an NCCL group as copies on this process's
-GPU. Production code (the plain paths of ``moe_ep.tp``, its cost model and autograd functions, the
-checks of ``moe_ep.integrations``) and the oracle (``moe_ep.reference``) both call these.
+GPU. Production code (the plain ops of ``moe_ep.tp.plain``, the cost model and autograd functions of
+``moe_ep.tp``, the checks of ``moe_ep.integrations``) and the oracle (``moe_ep.reference``) both call these.
 """
 from __future__ import annotations
 
 import datetime
+from operator import attrgetter
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Whether a tensor is on a device a group backend serves, and where the others cross it; a backend not
+# named here (a "cpu:gloo,cuda:nccl" pair) serves both.
+_SERVED = {"gloo": (attrgetter("is_cpu"), "cpu"), "nccl": (attrgetter("is_cuda"), "cuda")}
+
+
 def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, timeout_s=None,
                 **options) -> None:
     """collective(*outputs, *inputs, group=group, **options); tensors on a device the group's backend does
@@ -25,11 +31,11 @@ def _collective(collective, outputs: list[torch.Tensor], inputs: list[torch.Tens
     results are copied back into `outputs`. With `timeout_s`, RuntimeError if the collective has not
     completed within that many seconds (every rank must have entered it): the group then still holds it,
     and completes it if the missing ranks enter later."""
-    tensors = outputs + inputs
-    backend = dist.get_backend(group)
-    served = {"cpu"} if backend == "gloo" else {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
-    stage = "cuda" if "cuda" in served else "cpu"
-    staged = [t if t.device.type in served else t.to(stage) for t in tensors]
+    staged = outputs + inputs
+    served = _SERVED.get(dist.get_backend(group))
+    if served is not None:
+        on, stage = served
+        staged = [t if on(t) else t.to(stage) for t in staged]
     if timeout_s is None:
         collective(*staged, group=group, **options)
     else:

@@ -1,10 +1,11 @@
 """The library's contracts computed with plain torch and torch.distributed collectives.
 
-This module is the test oracle and the ``backend="reference"`` fallback (CPU with gloo, GPU
-with NCCL, or GPU tensors over gloo when several ranks share one GPU: ``all_to_all_single`` and
-the other collectives of ``moe_ep.collectives`` move them through host copies there). It imports
-nothing from the rest of the package but those collectives, thin wrappers of torch.distributed's, so it
-cannot share a bug with the kernels it checks; production code never imports it.
+This module is the test oracle (CPU with gloo, GPU with NCCL, or GPU tensors over gloo when several
+ranks share one GPU: ``all_to_all_single`` and the other collectives of ``moe_ep.collectives`` move them
+through host copies there). It imports nothing from the rest of the package but those collectives, thin
+wrappers of torch.distributed's, so it cannot share a bug with what it checks; production code never
+imports it: ``backend="reference"`` runs production paths of their own on the same collectives
+(``moe_ep.ep.collective`` for EP, ``moe_ep.tp.plain`` for TP).
 
 Expert-parallel dispatch/combine contract (``moe_ep.EPAllToAll``), world W, experts E,
 E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)):

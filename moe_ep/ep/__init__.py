@@ -6,7 +6,8 @@
                     EPProtocol (what a protocol offers), KernelProtocol (the machinery of the protocols
                     that run Triton kernels: program state, stamps, peer tables, bound launches)
     low_latency.py  backend "nvshmem": NVLink peer-pointer stores, over kernels/all_to_all.py
-    reference.py    backend "reference": moe_ep.reference's dispatch and combine on torch.distributed
+    collective.py   backend "reference": all_to_all_single of moe_ep.collectives, each token packed once per
+                    destination rank (any device and group: CPU with gloo, GPU with NCCL)
 
 A protocol owns its buffers (dataclasses, one comment per field), its bound launches and its status
 words, and declares its slots, kernels and timing stamps; the front never branches on which one it

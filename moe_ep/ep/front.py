@@ -9,7 +9,7 @@
 What the tensors mean is ``moe_ep.reference``'s contract. The front checks every argument,
 counts calls into buffer slots, makes handles and hooks; the kernels, their buffers and their
 status words belong to a protocol object, the one ``PROTOCOLS`` names for the backend
-(``low_latency.LowLatency``, ``reference.ReferenceProtocol``; ``protocol`` says what a protocol
+(``low_latency.LowLatency``, ``collective.CollectiveProtocol``; ``protocol`` says what a protocol
 offers, and the package's docstring how another one joins them).
 
 Results of a dispatch are views into buffers of one of two slots (double buffering): they stay
@@ -67,11 +67,11 @@ from .. import runtime
 from ..kernels import status
 from ..routing import random_topk
 from ..timing import median_us, why_untimed
+from .collective import CollectiveProtocol
 from .low_latency import LowLatency
 from .protocol import MODES, EPConfig, EPResources, KernelProtocol, crossover_tokens
-from .reference import ReferenceProtocol
 
-PROTOCOLS = {"nvshmem": LowLatency, "reference": ReferenceProtocol}   # backend -> protocol
+PROTOCOLS = {"nvshmem": LowLatency, "reference": CollectiveProtocol}   # backend -> protocol
 BACKENDS = tuple(PROTOCOLS)
 MAX_TOPK = 16
 MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word

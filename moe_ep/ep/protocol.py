@@ -15,8 +15,8 @@ What it offers, each launch on the current stream:
     lost(dispatch_slot, num_tokens)                              # [T, K] bool: experts an elastic combine lost
     mask_ranks(ranks), keep_ranks(live), live_ranks()            # elastic: the ranks counted live
 
-A protocol whose sends deliver at once (``receives_at_send``: the reference) offers dispatch and
-combine only: the front runs them whole and hands out a hook that does nothing.
+A protocol whose sends deliver at once (``receives_at_send``: ``collective.CollectiveProtocol``) offers
+dispatch and combine only: the front runs them whole and hands out a hook that does nothing.
 
 `mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
 protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to

@@ -155,7 +155,8 @@ def dequantize_weights_fp8(q: torch.Tensor, scales: torch.Tensor, block: int = 1
 
 def quantize_rows_fp8(x: torch.Tensor, group: int = 128):
     """x [..., H] -> (q [..., H] float8_e4m3fn, scales [..., H / group] float32) in plain torch, the formula
-    of the module docstring per `group` columns: for host paths without the kernel (CPU)."""
+    of the module docstring per `group` columns: for the paths without the kernel (the torch.distributed backend,
+    any device)."""
     groups = x.float().unflatten(-1, (-1, group))
     scales, inverse = _scale_and_inverse(groups.abs().amax(-1))
     return (groups * inverse[..., None]).to(torch.float8_e4m3fn).flatten(-2), scales

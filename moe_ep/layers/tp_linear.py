@@ -8,8 +8,9 @@ column-parallel GEMM and the reduce-scatter after a row-parallel one) or without
 
 Inputs and outputs are sequence-parallel: rank r holds rows [r*M/tp, (r+1)*M/tp) of the flattened
 leading dimensions. The communication runs through ``comm``, an ``moe_ep.AsyncTP`` (all-gather
-GEMM and GEMM reduce-scatter, overlapped where that pays). Without one, a layer runs
-``moe_ep.reference`` on torch.distributed over ``group`` (CPU with gloo, or NCCL).
+GEMM and GEMM reduce-scatter, overlapped where that pays). Without one, a layer runs the plain ops
+of ``moe_ep.tp.plain`` on torch.distributed over ``group`` (CPU with gloo, or NCCL): one collective
+and one GEMM, the partials reduced in the dtype as NCCL does, which is AsyncTP's "never" path.
 
 With ``sequence_parallel=False`` every rank holds all M rows of the layers' inputs and outputs:
 a column-parallel layer needs no communication forward (its input gradient is all-reduced), a
@@ -34,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import reference
-from ..tp import AsyncTP
+from ..tp import AsyncTP, plain
 from ..tp.autograd import AllGatherGemm, AllReduceGrad, GemmAllReduce, GemmReduceScatter
 
 
@@ -71,9 +71,9 @@ class _TPLinear(nn.Module):
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.weight.shape[1]}")
         return x.reshape(-1, x.shape[-1])
 
-    def _reference_ops(self):
-        """(all-gather GEMM, GEMM reduce-scatter) of moe_ep.reference on this layer's group."""
-        return partial(reference.ag_gemm, group=self.group), partial(reference.gemm_rs, group=self.group)
+    def _plain_ops(self):
+        """(all-gather GEMM, GEMM reduce-scatter) of moe_ep.tp.plain on this layer's group."""
+        return partial(plain.ag_gemm, group=self.group), partial(plain.gemm_rs, group=self.group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.world}, "
@@ -120,7 +120,7 @@ class ColumnParallelLinear(_TPLinear):
         if not self.sequence_parallel:
             y = AllReduceGrad.apply(rows, self.group) @ self.weight.t()
         elif self.comm is None:
-            y = AllGatherGemm.apply(rows.contiguous(), self.weight.t(), *self._reference_ops())
+            y = AllGatherGemm.apply(rows.contiguous(), self.weight.t(), *self._plain_ops())
         else:
             y = self.comm.ag_gemm(rows.contiguous(), self.weight.t())
         return y if self.bias is None else y + self.bias
@@ -139,14 +139,13 @@ class RowParallelLinear(_TPLinear):
         rows = self._rows(x)
         if not self.sequence_parallel:
             if self.comm is None:
-                all_reduce = partial(reference.gemm_ar, group=self.group)
-                y = GemmAllReduce.apply(rows.contiguous(), self.weight.t(), all_reduce)
+                y = GemmAllReduce.apply(rows.contiguous(), self.weight.t(), partial(plain.gemm_ar, group=self.group))
             else:
                 y = self.comm.gemm_ar(rows.contiguous(), self.weight.t())
             return y if self.bias is None else y + self.bias
         _split(rows.shape[0], self.world, "rows")
         if self.comm is None:
-            ag, rs = self._reference_ops()
+            ag, rs = self._plain_ops()
             y = GemmReduceScatter.apply(rows.contiguous(), self.weight.t(), rs, ag)
         else:
             y = self.comm.gemm_rs(rows.contiguous(), self.weight.t())

@@ -11,7 +11,7 @@ w may have any strides: ``linear.weight.t()`` of an nn.Linear is fine. What the 
 ``moe_ep.kernels.ag_gemm``, ``gemm_rs`` and ``gemm_ar``. The object checks the calls and picks each
 call's path; the rest are units of their own: its config and named buffers (``config``), its bound
 launches (``launches``), the copy-engine steps (``copy_engine``), the choice of path (``autotune`` over
-the cost model of ``cost``) and the autograd functions (``autograd``).
+the cost model of ``cost``), the autograd functions (``autograd``) and the plain path (``plain``).
 
 Each call takes one of three paths (``overlap``):
   - "fused": one persistent Triton GEMM that waits per tile for the shard it reads (all-gather)
@@ -28,7 +28,12 @@ for every later call of that shape. The cost model (``cost``) only orders the ca
 and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
-``backend="reference"`` runs ``moe_ep.reference`` on torch.distributed (CPU with gloo too).
+``backend="reference"`` runs the plain path on torch.distributed (CPU with gloo too), with the partials
+of gemm_rs and gemm_ar summed in fp32, as ``moe_ep.reference`` states the contract.
+
+What gemm_rs and gemm_ar sum are the ranks' partials a @ w, rounded to the dtype to cross between ranks:
+"fused", "chunked" and the reference backend add them in fp32 and round the sum once; "never" reduces
+them in the dtype, as NCCL does, rounding after each addition (the same result for two ranks).
 
 ``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
 an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
@@ -49,9 +54,10 @@ from operator import attrgetter
 import torch
 import torch.distributed as dist
 
-from .. import collectives, reference, runtime
+from .. import runtime
 from ..kernels.matmul import DEFAULT_VARIANT, tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
+from . import plain
 from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .autotune import Autotuner
 from .config import TPBuffers, TPConfig, tp_buffers
@@ -203,23 +209,19 @@ class AsyncTP(runtime.CommObject):
     def _ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool = False):
         m, k, n = self._checked("ag_gemm", a_shard, w)
         if self.backend == "reference":
-            return reference.ag_gemm(a_shard, w, self.group, return_gathered)
+            return plain.ag_gemm(a_shard, w, self.group, return_gathered)
         path = self.tuner.path("ag_gemm", m, k, n, lambda p: self._ag_gemm_on(p, a_shard, w, False))
         return self._ag_gemm_on(path, a_shard, w, return_gathered)
 
     def _ag_gemm_on(self, path: str, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool):
-        rows, k = a_shard.shape
-        m = rows * self.world
         if path == "never":
-            gathered = torch.empty((m, k), dtype=a_shard.dtype, device=a_shard.device)
-            collectives.all_gather_into_tensor(gathered, a_shard.contiguous(), group=self.group)
-            out = gathered @ w
-            return (out, gathered) if return_gathered else out
+            return plain.ag_gemm(a_shard, w, self.group, return_gathered)
         self.launches.reset("shard_flags", self.world)
         self.copies.push_shard(a_shard, return_gathered)
         out = (self.launches if path == "fused" else self.copies).ag_gemm(a_shard, w)
         self.copies.join()
         if return_gathered:
+            m, k = a_shard.shape[0] * self.world, a_shard.shape[1]
             return out, self.buffers.gathered[:m * k].view(m, k).clone()
         return out
 
@@ -227,8 +229,8 @@ class AsyncTP(runtime.CommObject):
 
     def gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M/W, N] (this rank's rows
-        of the sum over ranks of a @ w). The overlapped paths sum the partials in fp32; the plain
-        path reduces in the dtype, as NCCL does (the same result for two ranks).
+        of the sum over ranks of a @ w). "fused", "chunked" and the reference backend sum the partials in
+        fp32; "never" reduces them in the dtype, as NCCL does (the same result for two ranks).
 
         Differentiable (``GemmReduceScatter``): the gradient of a is an all-gather GEMM."""
         if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
@@ -238,16 +240,16 @@ class AsyncTP(runtime.CommObject):
     def _gemm_rs(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k, n = self._checked("gemm_rs", a, w)
         if self.backend == "reference":
-            return reference.gemm_rs(a, w, self.group)
+            return plain.gemm_rs(a, w, self.group, sum_dtype=torch.float32)
         path = self.tuner.path("gemm_rs", m, k, n, lambda p: self._gemm_rs_on(p, a, w))
         return self._gemm_rs_on(path, a, w)
 
     def _gemm_rs_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if path == "never":
+            return plain.gemm_rs(a, w, self.group)
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
-        if path == "never":
-            collectives.reduce_scatter_tensor(out, a @ w, group=self.group)
-        elif path == "fused":
+        if path == "fused":
             config = tile_config(m // self.world, n, a.element_size())
             self.launches.reset("tile_flags", self.world * self.launches.rs_tiles(m, n, config))
             self.launches.gemm_rs(a, w, out, config, 0, self.world)
@@ -262,8 +264,8 @@ class AsyncTP(runtime.CommObject):
     def gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N], the sum over ranks
         of a @ w, the same on every rank. "fused" (M <= max_rows / W) sums the partials rounded to
-        the dtype in fp32, as the reference backend does; the plain path is cuBLAS, then an NCCL
-        all-reduce, which sums in the dtype.
+        the dtype in fp32, as the reference backend does; "never" is cuBLAS, then an NCCL all-reduce,
+        which sums in the dtype (the same result for two ranks).
 
         Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
         if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
@@ -273,17 +275,15 @@ class AsyncTP(runtime.CommObject):
     def _gemm_ar(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k, n = self._checked("gemm_ar", a, w)
         if self.backend == "reference":
-            return reference.gemm_ar(a, w, self.group)
+            return plain.gemm_ar(a, w, self.group, sum_dtype=torch.float32)
         fits = m * self.world <= self.max_rows
         path = self.tuner.path("gemm_ar", m, k, n, lambda p: self._gemm_ar_on(p, a, w)) if fits else "never"
         return self._gemm_ar_on(path, a, w)
 
     def _gemm_ar_on(self, path: str, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        m, n = a.shape[0], w.shape[1]
         if path != "fused":                  # _gemm_ar takes "never" where M * W exceeds max_rows
-            out = a @ w
-            collectives.all_reduce(out, group=self.group)
-            return out
+            return plain.gemm_ar(a, w, self.group)
+        m, n = a.shape[0], w.shape[1]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = tile_config(m, n, a.element_size())
         self.launches.reset("tile_flags", self.world * self.launches.ar_tiles(m, n, config))

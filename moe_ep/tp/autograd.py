@@ -1,6 +1,6 @@
 """The autograd functions of the async-TP ops: each op's backward is another op (or a local GEMM),
 so the gradients overlap their communication as the forward does. Each takes the non-differentiable
-ops as callables: an ``AsyncTP``'s, or ``moe_ep.reference``'s on a process group.
+ops as callables: an ``AsyncTP``'s, or the plain ones of ``moe_ep.tp.plain`` on a process group.
 """
 import torch
 
@@ -14,7 +14,7 @@ class AllGatherGemm(torch.autograd.Function):
         grad w       = all_gather(a_shard).T @ grad_out   the gathered A, kept from the forward
 
     ``ag(a_shard, w, return_gathered=...)`` and ``rs(a, w)`` are the two non-differentiable ops
-    (an AsyncTP's, or ``moe_ep.reference``'s on a process group). The gathered A is kept only when
+    (an AsyncTP's, or ``plain``'s on a process group). The gathered A is kept only when
     w needs a gradient; grad_out is made contiguous (the ops take row-major activations).
     """
 
@@ -72,7 +72,7 @@ class GemmAllReduce(torch.autograd.Function):
         grad a = grad_out @ w.T,  grad w = a.T @ grad_out   no communication: every rank's grad_out
                                                              is the gradient of the whole output
 
-    ``ar(a, w)`` is the non-differentiable op (an AsyncTP's, or ``moe_ep.reference.gemm_ar``).
+    ``ar(a, w)`` is the non-differentiable op (an AsyncTP's, or ``plain.gemm_ar`` on a process group).
     """
 
     @staticmethod
