@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bench_all_to_all import DECODE, EXPERTS, GROUP, HIDDEN, PREFILL, eager_median, graph_median, inputs
+from bench_moe_layer import attempt
 from moe_ep.reference import quantize_fp8
 from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, row_line
 
@@ -38,14 +39,6 @@ NORMAL_SMS = 24                       # the SMs of DeepEP's normal mode (its tun
 QP_DEPTH = 2048                       # DeepEP asserts NVSHMEM_QP_DEPTH >= 2 (max_tokens + 1)
 COLUMNS = ["tokens", "mode", "dispatch_graph_us", "dispatch_eager_us", "combine_graph_us", "combine_eager_us",
            "error"]
-
-
-def attempt(fn) -> dict:
-    """fn() or {"error": ...}: a setting DeepEP refuses must not cost the others."""
-    try:
-        return fn()
-    except Exception as error:                      # recorded in the JSON and the table
-        return {"error": f"{type(error).__name__}: {error}"[:300]}
 
 
 def normal_mode(deep_ep, tokens: int, num_sms: int, iters: int) -> dict:
