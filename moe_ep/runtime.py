@@ -29,6 +29,7 @@ every rank of a group learns that some rank refused a call (CallRefusedError) or
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import warnings
 
@@ -116,6 +117,17 @@ class CommObject:
                     for rank, row in enumerate(verdicts.view(-1, self.VERDICT_BYTES)) if row[0]}
         if refusals:
             raise CallRefusedError(what, refusals) from refusal
+
+    def _configure_on_every_rank(self, what: str, configure, settings: dict, group, backend: str, device) -> None:
+        """A constructor's checks, agreed by every rank: configure() (which raises ValueError for a bad
+        argument) and ``_place``'s device check on this rank, then ``_agree_on_settings`` over `group`."""
+        refusal = None
+        try:
+            configure()
+            self._place(group, backend, device)
+        except ValueError as error:
+            refusal = error
+        self._agree_on_settings(what, settings, refusal, group)
 
     @staticmethod
     def _agree_on_settings(what: str, settings: dict, refusal: ValueError | None, group=None) -> None:
@@ -256,6 +268,12 @@ def checked_device(device) -> torch.device | None:
         if device.index >= torch.cuda.device_count():
             raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA GPUs are visible")
     return device
+
+
+def check_timeout(timeout_s) -> None:
+    """ValueError unless `timeout_s` is a positive, finite number of seconds (the bound of the waits)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
 
 
 def nvshmem_unavailable() -> str | None:

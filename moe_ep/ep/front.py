@@ -56,7 +56,6 @@ with their processes.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -140,17 +139,14 @@ class EPAllToAll(runtime.CommObject):
                  num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
-        refusal = None
-        try:
-            self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden, num_experts, topk,
-                            dtype, fp8_dispatch, fp8_group, backend, timeout_s, validate, timing, num_sms, elastic)
-            self._place(group, backend, device)
-        except ValueError as error:
-            refusal = error
         settings = dict(max_tokens=max_tokens, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
                         fp8_group=fp8_group if fp8_dispatch else None, backend=backend, num_sms=num_sms,
                         elastic=elastic)
-        self._agree_on_settings("EPAllToAll", settings, refusal, group)
+        self._configure_on_every_rank(
+            "EPAllToAll", lambda: self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden,
+                                                  num_experts, topk, dtype, fp8_dispatch, fp8_group, backend,
+                                                  timeout_s, validate, timing, num_sms, elastic),
+            settings, group, backend, device)
         sms = self._open(group, backend, device)
         if sms is None:                                   # the reference backend: no NVSHMEM
             self._build(EPResources(group, self.device))
@@ -384,7 +380,7 @@ class EPAllToAll(runtime.CommObject):
             raise ValueError(f"ranks must be ints in [0, {self.world}), got {ranks}")
         if self.rank in ranks:
             raise ValueError(f"rank {self.rank} cannot mask itself")
-        if any(self._in_flight.values()):
+        if self.in_flight:
             raise ValueError("a dispatch or combine is in flight: call its receive hook before masking ranks")
         self._raise_if_failed()
         self.protocol.mask_ranks(ranks)
@@ -398,7 +394,7 @@ class EPAllToAll(runtime.CommObject):
         if not self.elastic:
             raise ValueError("keep_ranks needs EPAllToAll(..., elastic=True)")
         self._expect("live", live, IDS_DTYPES, shape=(self.world,), contiguous=False)
-        if any(self._in_flight.values()):
+        if self.in_flight:
             raise ValueError("a dispatch or combine is in flight: call its receive hook before masking ranks")
         self._raise_if_failed()
         self.protocol.keep_ranks(live)
@@ -406,7 +402,7 @@ class EPAllToAll(runtime.CommObject):
     @property
     def in_flight(self) -> int:
         """Dispatches and combines issued with return_recv_hook=True whose receive hook is not yet called."""
-        return self._in_flight["dispatch"] + self._in_flight["combine"]
+        return sum(self._in_flight.values())
 
     def live_ranks(self) -> list[int]:
         """The ranks this one counts live: all of them unless elastic mode lost or masked some. Reads the
@@ -457,7 +453,7 @@ class EPAllToAll(runtime.CommObject):
         """
         if not isinstance(self.protocol, KernelProtocol):
             raise ValueError(f"measure_crossover times kernel tiles, and the {self.backend} backend has none")
-        if any(self._in_flight.values()):
+        if self.in_flight:
             raise ValueError("a dispatch or combine is in flight: call its receive hook before measure_crossover")
         if self.device.type != "cuda":
             raise ValueError(f"measure_crossover times kernels on a CUDA device; this EPAllToAll runs on {self.device}")
@@ -533,5 +529,4 @@ def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispat
             raise ValueError(f"hidden={hidden} is not a multiple of fp8_group={fp8_group}")
     elif hidden % 8:
         raise ValueError(f"hidden={hidden} must be a multiple of 8")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
+    runtime.check_timeout(timeout_s)

@@ -102,16 +102,12 @@ class AsyncTP(runtime.CommObject):
         if not dist.is_initialized():
             raise RuntimeError("AsyncTP needs torch.distributed to be initialized")
         rank = dist.get_rank(group)
-        refusal = None
-        try:
-            self._configure(TPConfig(dist.get_world_size(group), rank, max_rows, max_features, dtype, backend,
-                                     overlap, timeout_s, tile_loop))
-            self._place(group, backend, device)
-        except ValueError as error:
-            refusal = error
         settings = dict(max_rows=max_rows, max_features=max_features, dtype=dtype, backend=backend, overlap=overlap,
                         tile_loop=tile_loop)
-        self._agree_on_settings("AsyncTP", settings, refusal, group)
+        self._configure_on_every_rank(
+            "AsyncTP", lambda: self._configure(TPConfig(dist.get_world_size(group), rank, max_rows, max_features, dtype,
+                                                        backend, overlap, timeout_s, tile_loop)),
+            settings, group, backend, device)
         sms = self._open(group, backend, device)
         self.tuner = Autotuner(self.config, group, self.device)
         if sms is None:

@@ -2,12 +2,12 @@
 (``TPBuffers``)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from .. import runtime
 from ..kernels.matmul import FUSED_VARIANTS
 
 BACKENDS = ("nvshmem", "reference")
@@ -45,9 +45,7 @@ class TPConfig:
             raise ValueError(f"max_rows={self.max_rows} is not a multiple of the group size {self.world}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not 0 < self.timeout_s < math.inf:
-            raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {self.timeout_s!r}")
+        runtime.check_timeout(self.timeout_s)
         if self.tile_loop not in FUSED_VARIANTS:
             raise ValueError(f"tile_loop must be one of {FUSED_VARIANTS}, got {self.tile_loop!r}")
 
