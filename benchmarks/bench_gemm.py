@@ -1,20 +1,27 @@
-"""The GEMMs alone on one GPU: the async-TP tile loop against cuBLAS, and the grouped GEMM against
-torch._grouped_mm and torch._scaled_grouped_mm.
+"""The GEMMs alone on one GPU: the async-TP tile loop and its small-M path against cuBLAS, and the grouped
+GEMM against torch._grouped_mm and torch._scaled_grouped_mm.
 
-    bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR [--tile_loop | --grouped] [--full]
+    bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out OUTDIR [--tile_loop] [--small_m] [--grouped] [--full]
 
-The default run (both parts; --tile_loop or --grouped: that part only) times what the library runs:
-the tile loop's FUSED_VARIANTS ("pointer", "tma") and its fastest standalone variant (FASTEST_ALONE),
-and the grouped GEMM's variants on the table's tiles, in about 30 s on one H200 with the launch and
-a warm cache. --full adds every other variant of matmul.VARIANTS (after the fused ones are measured
-on every shape, one variant at a time, so that a variant that hangs costs only itself) and every
-grouped-GEMM tile candidate.
+The default run (every part; --tile_loop, --small_m, --grouped: those parts only) times what the library
+runs: the tile loop's FUSED_VARIANTS ("pointer", "tma") and its fastest standalone variant (FASTEST_ALONE),
+the small-M path, and the grouped GEMM's variants on the table's tiles, in about 30 s on one H200 with the
+launch and a warm cache (the tile loop and small-M parts alone: 18 s). --full adds every other variant of
+matmul.VARIANTS (after the fused ones are measured on every shape, one variant at a time, so that a variant
+that hangs costs only itself) and every grouped-GEMM tile candidate.
 
 Tile loop (moe_ep.kernels.matmul, every SM, its tile shapes): out [M, N] = a [M, K] @ w [K, N] bf16,
 w = weight.t() as nn.Linear stores it, on the per-rank shapes of bench_tp.py's prefill cases a-d at
 tp 2 and 4: all-gather GEMM (M, K, N / tp), GEMM reduce-scatter (M, K / tp, N). One column per
 variant with its time, and `<variant>_vs_cublas` = cuBLAS time / its time (the target: >= 0.98 on
 every shape); `floor_us`: the flops at the bf16 tensor cores' datasheet peak (timing.floor_us).
+
+Small M (moe_ep.kernels.matmul.matmul_small_m, its split rule for this GPU's SMs): the same GEMM at
+SMALL_M_ROWS_TIMED rows on the per-rank K x N of SMALL_M_SHAPES, where it reads the weights more than it
+computes. cuBLAS; the tile loop's "tma" (what the fused kernels run) and FASTEST_ALONE; `small_m_tma` and
+`small_m_pointer`, the small-M path loading each way, with `small_m_config` (tile, K slices). Each
+`_vs_cublas` is cuBLAS time / its time (the target: >= 0.9 up to matmul.SMALL_M_ROWS rows); `floor_us`:
+the larger of the flops at the tensor cores' peak and the bytes (weights, rows in, rows out) at HBM's.
 
 Grouped GEMM (moe_ep.kernels.grouped_gemm): the gate_up GEMM of DeepSeek-V3 (256 experts, hidden 7168,
 2 x 2048) and Qwen3-30B-A3B (128 experts, hidden 2048, 2 x 768), all experts on this GPU, 8/256 and
@@ -42,13 +49,19 @@ from bench_moe_layer import GEMM_CASES, attempt, rowwise_fp8
 
 from moe_ep import quantize_fp8
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
-from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, matmul_small_m, small_m_config, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
                            row_line)
 
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
+# Small M: (label, K, N) per rank of a 28672-wide MLP on hidden 8192 (bench_tp.py's case a) and of case c
+# (8192 x 8192), and the rows; tp 8's all-gather GEMM (N = 3584) has too few tiles of 64 columns for the
+# SMs: the one shape where the split rule cuts K.
+SMALL_M_SHAPES = [("a tp4 AG", 8192, 7168), ("a tp4 RS", 7168, 8192), ("c tp4 RS", 2048, 8192), ("c tp1", 8192, 8192),
+                  ("a tp8 AG", 8192, 3584)]
+SMALL_M_ROWS_TIMED = (1, 16, 32, 64, 128, 256, 512)
 L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
 BUSY_CYCLES = 1_000_000           # about 0.5 ms at the H200's 1.98 GHz: longer than any launch
 FASTEST_ALONE = "tma_flat_store"  # matmul's fastest variant, which the fused kernels cannot run
@@ -92,9 +105,11 @@ def tp_shapes():
             yield f"{case} tp{tp} RS", m, k // tp, n
 
 
-def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, progress: Progress) -> None:
+def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, progress: Progress,
+               small_m: bool = False) -> None:
     """Add to `row` (shape, M, K, N) each variant's time, its ratio to cuBLAS and its relative error
-    (its error instead where it fails), and cuBLAS's time where the row has none yet."""
+    (its error instead where it fails), and cuBLAS's time where the row has none yet; with `small_m`,
+    matmul_small_m's too, loading as each of FUSED_VARIANTS (`small_m_<variant>`), and its config."""
     m, k, n = row["M"], row["K"], row["N"]
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).t()
@@ -105,18 +120,21 @@ def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, pro
         row["cublas_TFLOPs"] = 2 * m * k * n / row["cublas_us"] / 1e6
         row["floor_us"] = floor_us(2 * m * k * n, 2 * (m * k + k * n + m * n))
     config = tile_config(m, n, a.element_size())
-    for variant in variants:
-        progress.step(variant)
-
-        def run(variant=variant):
-            return matmul(a, w, programs, config, variant=variant)
+    runs = {variant: lambda variant=variant: matmul(a, w, programs, config, variant=variant) for variant in variants}
+    if small_m:
+        small = small_m_config(m, n, k, a.element_size(), programs)
+        row["small_m_config"] = f"{small['BLOCK_M']}x{small['BLOCK_N']}x{small['BLOCK_K']}, {small['splits']} slices"
+        runs.update({f"small_m_{variant}": lambda variant=variant: matmul_small_m(a, w, programs, variant=variant)
+                     for variant in FUSED_VARIANTS})
+    for name, run in runs.items():
+        progress.step(name)
         error = attempt(lambda: ((run().float() - expected).norm() / expected.norm()).item())
         if isinstance(error, dict):                    # a candidate that fails must not cost the others
-            row[f"{variant}_us"] = error["error"]
+            row[f"{name}_us"] = error["error"]
             continue
-        row[f"{variant}_us"] = time_us(run)
-        row[f"{variant}_vs_cublas"] = row["cublas_us"] / row[f"{variant}_us"]
-        row[f"{variant}_rel_error"] = error
+        row[f"{name}_us"] = time_us(run)
+        row[f"{name}_vs_cublas"] = row["cublas_us"] / row[f"{name}_us"]
+        row[f"{name}_rel_error"] = error
 
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
@@ -192,16 +210,22 @@ def tp_columns(variants) -> list[str]:
             *(f"{v}_{c}" for c in ("us", "vs_cublas") for v in variants), *(f"{v}_rel_error" for v in variants)]
 
 
+SMALL_M_VARIANTS = ("tma", FASTEST_ALONE, *(f"small_m_{v}" for v in FUSED_VARIANTS))
+SMALL_M_COLUMNS = [*tp_columns(SMALL_M_VARIANTS), "small_m_config"]
 GROUPED_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "floor_us", "vs_floor", "TFLOPs", "TBs", "vs_torch",
                    "vs_ours_bf16", "rel_error"]
 
 
 def main():
-    args = benchmark_args(__doc__, iters=20, tile_loop="the tile loop only", grouped="the grouped GEMM only",
+    args = benchmark_args(__doc__, iters=20, tile_loop="the tile loop (with the other parts asked for)",
+                          small_m="the small-M path (with the other parts asked for)",
+                          grouped="the grouped GEMM (with the other parts asked for)",
                           full="every tile-loop variant and every grouped-GEMM tile candidate (minutes)")
     if dist.get_world_size() != 1:
         raise SystemExit("bench_gemm.py runs on one GPU: bash launch.sh --nproc 1 benchmarks/bench_gemm.py")
-    results = {**environment(), "tile_loop": [], "grouped_gemm": []}
+    parts = [part for part in ("tile_loop", "small_m", "grouped") if getattr(args, part)] or ["tile_loop", "small_m",
+                                                                                               "grouped"]
+    results = {**environment(), "tile_loop": [], "small_m": [], "grouped_gemm": []}
     time_us = timer(args.iters)
     programs = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -210,7 +234,7 @@ def main():
             json.dump(results, f, indent=1)
 
     passes = tile_loop_passes(args.full)
-    if not args.grouped:
+    if "tile_loop" in parts:
         rows = results["tile_loop"]
         for variants in passes:
             print(f"tile loop, {', '.join(variants)}: every shape (the first compiles them)", flush=True)
@@ -222,7 +246,18 @@ def main():
                 save()
                 p.report(row_line(rows[i], ["shape", "cublas_us", *(f"{v}_{c}" for v in variants
                                                                     for c in ("us", "vs_cublas"))]))
-    if not args.tile_loop:
+    if "small_m" in parts:
+        print(f"small M, {', '.join(SMALL_M_VARIANTS)}: every shape (the first compiles them)", flush=True)
+        for label, k, n in SMALL_M_SHAPES:
+            for m in SMALL_M_ROWS_TIMED:
+                row = {"shape": f"{label} M{m}", "M": m, "K": k, "N": n}
+                with Progress(f"small M, {row['shape']}") as p:
+                    tp_measure(row, SMALL_M_VARIANTS[:2], time_us, programs, p, small_m=True)
+                results["small_m"].append(row)
+                save()
+                p.report(row_line(row, ["shape", "cublas_us", *(f"{v}_vs_cublas" for v in SMALL_M_VARIANTS),
+                                        "small_m_config"]))
+    if "grouped" in parts:
         candidates = [c for c in GROUPED_CANDIDATES if args.full or c[2] is None]
         for name, shape, rows_per_expert in GEMM_CASES:
             with Progress(f"grouped GEMM, {name}, {rows_per_expert} rows per expert") as p:
@@ -232,8 +267,8 @@ def main():
             p.report("\n".join(row_line(row, GROUPED_COLUMNS) for row in case))
             torch.cuda.empty_cache()
     tables = [markdown_table(results[part], columns, ".3g") for part, columns in (
-        ("tile_loop", tp_columns([v for variants in passes for v in variants])), ("grouped_gemm", GROUPED_COLUMNS))
-        if results[part]]
+        ("tile_loop", tp_columns([v for variants in passes for v in variants])), ("small_m", SMALL_M_COLUMNS),
+        ("grouped_gemm", GROUPED_COLUMNS)) if results[part]]
     text = (f"{results['device']}, {results['date']}, torch {results['torch']}, triton {results['triton']}\n\n"
             + "\n\n".join(tables) + "\n")
     with open(os.path.join(args.out, "gemm.md"), "w") as f:

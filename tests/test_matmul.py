@@ -1,11 +1,22 @@
 """The async-TP tile loop alone (``moe_ep.kernels.matmul``), every variant against torch: in the
 Triton interpreter on CPU, compiled on a GPU (one is enough). Sums are fp32; the reference is
 float64 (fp32 and fp16 cases) or fp32 (bf16 on the GPU, where the interpreter's bf16 dot is not usable).
+
+The small-M path (``matmul_small_m``) in bf16 everywhere: in the interpreter through ``bf16_dots``, against
+fp32 sums of the same bf16 operands, within a bound derived from K and bf16's rounding (``bf16_bound``).
 """
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import VARIANTS, loads_through_descriptors, matmul
+from moe_ep.kernels.matmul import (FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_TILES, VARIANTS, loads_through_descriptors,
+                                   matmul, matmul_small_m, small_m_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 3
@@ -55,3 +66,130 @@ def test_descriptors_refuse_what_tma_cannot_address():
     assert not loads_through_descriptors("tma", a, w)                 # the fused kernels fall back to pointers
     with pytest.raises(ValueError, match="variant"):
         matmul(a, w, PROGRAMS, variant="cublas")
+
+
+# ---------------------------------------------------------------------------------------------- small M
+
+SMS = 132      # an H200's: the split rule sees a GPU's SM count (the interpreter runs any grid)
+
+
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """In the interpreter, tl.dot of bf16 operands as the tensor cores do it: widened to fp32 (exactly), products
+    summed in fp32. The interpreter itself multiplies their storage, uint16 words (numpy has no bf16)."""
+    if DEVICE == "cuda":
+        return
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, a, b, d, *args: create_dot(self, widened(a), widened(b), d, *args))
+
+
+def bf16_bound(a, w):
+    """Bound on |out - a.float() @ w.float()| per element, out the bf16 result of fp32 sums of the K products
+    of bf16 a and w (exact in fp32): its rounding to bf16, less than one unit in the last place, 2**-7 of
+    |a @ w| (the interpreter truncates; a GPU rounds to nearest, half that), and the two fp32 sums' rounding
+    (ours, in any order of K slices and tiles, and the reference's), K * 2**-24 of (|a| @ |w|) each, once more
+    for the first term's |a @ w| being off by as much (float64 sums stand in for exact ones)."""
+    k = a.shape[1]
+    a, w = a.double(), w.double()
+    return 2**-7 * (a @ w).abs() + 3 * k * 2**-24 * (a.abs() @ w.abs())
+
+
+SLICED = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)   # 7 blocks of K = 200
+# M, K, N, w transposed, config (None: small_m_config's for SMS SMs)
+SMALL_M_CASES = [
+    (1, 640, 200, True, None),                  # one row; N not a multiple of BLOCK_N (64)
+    (7, 1000, 136, False, None),                # K not a multiple of BLOCK_K (128), w row-major
+    (16, 2048, 96, True, None),                 # 2 tiles: the rule splits K in 2 (16 blocks, 8 each)
+    (100, 640, 300, True, None),                # 128-row tiles, 100 of 128 rows
+    (0, 640, 96, True, None),                   # no rows
+    (7, 200, 136, True, dict(SLICED, splits=3)),    # K in slices of 3, 3 and 1 blocks of 32 (the last 8 long)
+    (7, 200, 136, False, dict(SLICED, splits=4)),   # 2, 2, 2 and 1 blocks
+    pytest.param(1, 8192, 7168, True, None, marks=on_gpu),      # bench_gemm.py's small-M shapes
+    pytest.param(64, 8192, 3584, True, None, marks=on_gpu),     # 56 tiles: 2 slices
+    pytest.param(100, 2048, 3000, True, None, marks=on_gpu),
+    pytest.param(256, 7168, 8192, False, None, marks=on_gpu),
+]
+
+
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+@pytest.mark.parametrize("m,k,n,transposed,config", SMALL_M_CASES)
+def test_small_m_matches_torch(m, k, n, transposed, config, variant, bf16_dots):
+    a, w = operands(m, k, n, torch.bfloat16, transposed, seed=m + k + n)
+    out = matmul_small_m(a, w, SMS, config, variant=variant)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    error = (out.double() - (a.float() @ w.float()).double()).abs()
+    assert (error <= bf16_bound(a, w)).all(), error.max()
+    assert torch.equal(out, matmul_small_m(a, w, SMS, config, variant=variant))    # the slices summed in one order
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 8192, 7168), (16, 7168, 8192), (64, 2048, 8192), (128, 8192, 8192),
+                                   (256, 8192, 7168), (64, 8192, 3584), (1, 8192, 1024), (3, 1000, 64), (300, 512, 64)])
+def test_split_rule(m, k, n):
+    """small_m_config's rule: the most K slices that still fit one program an SM, each of at least
+    MIN_SPLIT_BLOCKS BLOCK_K steps, one slice where there is no such split; the tile by the rows."""
+    config = small_m_config(m, n, k, 2, SMS)
+    tile = next(tile for rows, tile in SMALL_M_TILES if rows is None or m <= rows)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == (tile["BLOCK_M"], tile["BLOCK_N"], 128)
+    tiles = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
+    blocks, splits = -(-k // config["BLOCK_K"]), config["splits"]
+
+    def fits(s):
+        return tiles * s <= SMS and blocks // s >= MIN_SPLIT_BLOCKS
+    assert splits == 1 or fits(splits)
+    assert not fits(splits + 1)
+    if (m, k, n) == (64, 8192, 3584):
+        assert splits == 2
+
+
+def test_small_m_refuses_what_it_cannot_run():
+    a, w = operands(8, 40, 130, torch.float32, False, seed=0)   # w's rows: 130 * 4 bytes, not a multiple of 16
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        matmul_small_m(a, w, SMS, variant="tma")
+    with pytest.raises(ValueError, match="variant"):
+        matmul_small_m(a, w, SMS, variant="tma_flat")        # no tile loop to flatten
+
+
+COMPILE_FOR_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.kernels.matmul import SMALL_M_TILES, matmul_split_k_kernel, sum_splits_kernel, small_m_config
+
+def compile(fn, types, constants, **options):
+    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else types.get(p.name, "i32")
+                 for p in fn.params}
+    constants = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.name in constants}
+    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+
+for rows, _ in SMALL_M_TILES:
+    config = small_m_config(rows or 256, 7168, 8192, 2, 132)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    for tma in (False, True):
+        descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
+                       else {})
+        constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, TMA=tma, W_KMAJOR=True,
+                         **({} if tma else dict(a_desc=None, w_desc=None)))
+        compile(matmul_split_k_kernel, dict(a="*bf16", w="*bf16", partials="*fp32", **descriptors), constants,
+                num_warps=config["num_warps"], num_stages=config["num_stages"])
+        print(bm, bn, "tma" if tma else "pointer")
+compile(sum_splits_kernel, dict(partials="*fp32", out="*bf16"), dict(BLOCK=1024), num_warps=4)
+print("sum_splits_kernel")
+"""
+
+
+def test_small_m_kernels_compile_for_sm90():
+    """matmul_split_k_kernel with every tile of SMALL_M_TILES, both ways of loading, and sum_splits_kernel
+    compile to cubins for sm_90 (Triton's PTX and ptxas; no GPU needed), outside the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 * len(SMALL_M_TILES) + 1 and lines[-1] == "sum_splits_kernel"

@@ -31,6 +31,13 @@ row-blocks (the Triton matmul tutorial's L2-friendly order).
 
 The tile shapes depend only on the problem's sizes and dtype, never on the rank: tile ids are
 part of the protocol between ranks (GEMM-RS signals one flag per tile).
+
+Up to SMALL_M_ROWS rows a GEMM is mostly a read of the weights, and 128 x 256 tiles leave most SMs idle
+(M = 128, N = 7168: 28 tiles for 132 SMs). ``matmul_small_m`` is the GEMM for those: narrow tiles
+(SMALL_M_TILES), one a program, every SM streaming its own strip of the weights; where even those tiles
+are fewer than the SMs it splits K (``small_m_config``'s rule) and a second kernel sums the slices'
+fp32 partials in a fixed order (``sum_splits_kernel``), so its results are deterministic. Its K loop is
+the tile loop's over a range of K blocks (``gemm_slice``), loading either way.
 """
 import torch
 import triton
@@ -55,7 +62,16 @@ def tile_coords(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of a[:rows, :K] @ b[:K, :N].
+    """fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of a[:rows, :K] @ b[:K, :N] (``matmul_slice`` over all of K)."""
+    return matmul_slice(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K, 0, tl.cdiv(K, BLOCK_K),
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+
+
+@triton.jit
+def matmul_slice(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K, k_first, k_last,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of a[:rows, k0:k1] @ b[k0:k1, :N] over the K blocks
+    [k_first, k_last): k0 = k_first * BLOCK_K, k1 = min(k_last * BLOCK_K, K).
 
     a is row-major with row stride stride_am; b may have any strides (nn.Linear's weight.t() too).
     Rows past `rows` and columns past N are computed from row 0 / column 0 (always readable);
@@ -67,10 +83,11 @@ def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
     offs_m = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < rows, offs_m, 0), BLOCK_M), BLOCK_M)
     offs_n = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    first = k_first * BLOCK_K
+    a_ptrs = a + offs_m[:, None] * stride_am + (first + offs_k)[None, :]
+    b_ptrs = b + (first + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_last):
         if EVEN_K:
             x = tl.load(a_ptrs)
             y = tl.load(b_ptrs)
@@ -88,11 +105,20 @@ def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
 def matmul_tile_tma(a_desc, row, b_desc, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] tile A[row:row + BLOCK_M, :K] @ B[:K, col:col + BLOCK_N] through tensor
-    descriptors: a_desc over A [*, K] with boxes [BLOCK_M, BLOCK_K]; b_desc over B [K, N] with boxes
-    [BLOCK_K, BLOCK_N], or (B_KMAJOR) over B.T [N, K] with boxes [BLOCK_N, BLOCK_K]. Rows, columns
-    and K past a descriptor's shape load as zeros."""
+    descriptors (``matmul_slice_tma`` over all of K)."""
+    return matmul_slice_tma(a_desc, row, b_desc, col, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR)
+
+
+@triton.jit
+def matmul_slice_tma(a_desc, row, b_desc, col, k_first, k_last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile A[row:row + BLOCK_M, k0:k1] @ B[k0:k1, col:col + BLOCK_N] over the K
+    blocks [k_first, k_last) (k0 = k_first * BLOCK_K, k1 = k_last * BLOCK_K) through tensor descriptors:
+    a_desc over A [*, K] with boxes [BLOCK_M, BLOCK_K]; b_desc over B [K, N] with boxes [BLOCK_K, BLOCK_N],
+    or (B_KMAJOR) over B.T [N, K] with boxes [BLOCK_N, BLOCK_K]. Rows, columns and K past a descriptor's
+    shape load as zeros."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_last):
         x = a_desc.load([row, k * BLOCK_K])
         if B_KMAJOR:
             y = b_desc.load([col, k * BLOCK_K]).T
@@ -156,15 +182,24 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
 def gemm_tile(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, rows, N, K,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
               TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
-    """fp32 tile (pid_m, pid_n) of A[:rows, :K] @ w [K, N] for a block of `rows` rows of A that starts
-    at pointer `a` (row stride stride_am; ``matmul_tile``, w any strides) or, TMA, at row first_row
-    of a_desc (``matmul_tile_tma`` with w_desc)."""
+    """fp32 tile (pid_m, pid_n) of A[:rows, :K] @ w [K, N] (``gemm_slice`` over all of K)."""
+    return gemm_slice(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, rows, N, K, 0,
+                      tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
+
+
+@triton.jit
+def gemm_slice(a, stride_am, a_desc, first_row, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, rows, N, K, k_first,
+               k_last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """fp32 tile (pid_m, pid_n) of A[:rows, K blocks k_first..k_last-1] @ w [those rows of K, N] for a block
+    of `rows` rows of A that starts at pointer `a` (row stride stride_am; ``matmul_slice``, w any strides)
+    or, TMA, at row first_row of a_desc (``matmul_slice_tma`` with w_desc)."""
     if TMA:
-        acc = matmul_tile_tma(a_desc, first_row + pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N,
-                              BLOCK_K, W_KMAJOR)
+        acc = matmul_slice_tma(a_desc, first_row + pid_m * BLOCK_M, w_desc, pid_n * BLOCK_N, k_first, k_last,
+                               BLOCK_M, BLOCK_N, BLOCK_K, W_KMAJOR)
     else:
-        acc = matmul_tile(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_K)
+        acc = matmul_slice(a, stride_am, w, stride_wk, stride_wn, pid_m, pid_n, rows, N, K, k_first, k_last,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     return acc
 
 
@@ -262,6 +297,120 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, M=m, N=n, K=k, stride_am=a.stride(0),
                            stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
                            EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- small M
+
+SMALL_M_ROWS = 256         # rows up to which matmul_small_m beats matmul's tile loop at bench_gemm.py's small-M
+                           # shapes (H200): at 512 rows the tile loop reaches 0.9-1.0x cuBLAS, this path 0.8-0.85x
+                           # (where the tile loop has fewer tiles than SMs, N = 3584 at 512 rows, this path still wins)
+MIN_SPLIT_BLOCKS = 8       # BLOCK_K steps a K slice keeps at least: its pipeline (3-6 stages) fills in 2-5
+SUM_BLOCK = 1024           # elements per program of sum_splits_kernel: 4 warps, 8 a thread
+# Tiles of matmul_small_m by rows, (most rows, tile); BLOCK_K is 256 bytes of a row (128 in bf16). Measured on an
+# H200 against cuBLAS at K x N of 2048-8192 x 7168-8192 (bench_gemm.py --small_m; benchmarks/NOTES.md). Up to 64
+# rows the weights are all that moves, and a program streams a 64-column strip of them over all of K (N = 7168:
+# 112 programs) with 4-6 stages of 20-32 KB in flight: 16-row blocks up to 32 rows (at 32, two of them: twice
+# the programs, the second reading its weights from L2; 0.95-0.99x, where one 32-row block gave 0.88-0.95x),
+# 64-row blocks above (0.96-1.03x). 128 rows: 128 x 64 tiles with 4 stages (192 KB, one program an SM),
+# 0.94-0.98x. More: 128 x 128 x 128 tiles, two row blocks side by side (the second reads the weights from L2),
+# 0.78-0.85x at 256 rows: one tile an SM, 112-128 tiles for 132 SMs, leaves the tensor cores short of cuBLAS's
+# rate (split K costs more than the idle SMs: see small_m_config).
+SMALL_M_TILES = (
+    (32, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (128, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+)
+
+
+@triton.jit(do_not_specialize=["M", "blocks_per_split"])
+def matmul_split_k_kernel(a, a_desc, w, w_desc, partials, M, N, K, stride_am, stride_wk, stride_wn, blocks_per_split,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """partials[s] [M, N] = a[:, K_s] @ w[K_s, :], K_s the K blocks [s * blocks_per_split, (s + 1) *
+    blocks_per_split) of split s; a [M, K] row-major, w [K, N] any strides (TMA: loaded through a_desc and
+    w_desc, ``operand_descriptors``). partials [splits, M, N] is fp32 where sum_splits_kernel sums the
+    splits, or out itself in its dtype where there is one split.
+
+    Grid (tiles_m, splits, tiles_n), one tile of one split a program: the row blocks of one weight slice
+    are launched next to each other, so the slice comes from HBM once and from L2 for the others."""
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    k_first = split * blocks_per_split
+    k_last = tl.minimum(k_first + blocks_per_split, tl.cdiv(K, BLOCK_K))
+    acc = gemm_slice(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, k_first, k_last,
+                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    slab = partials + split.to(tl.int64) * M * N          # 64 bits once, 32-bit offsets inside the [M, N] slab
+    tl.store(slab + offs_m[:, None] * N + offs_n[None, :], acc.to(partials.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["numel", "splits"])
+def sum_splits_kernel(partials, out, numel, splits, BLOCK: tl.constexpr):
+    """out [numel] = partials[0] + partials[1] + ... + partials[splits - 1], fp32 partials [splits, numel]
+    summed in that order (the same bits on every call), rounded once to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.load(partials + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        total += tl.load(partials + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out + offs, total.to(out.dtype.element_ty), mask=mask)
+
+
+def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
+    """Tile shapes, launch options and `splits` (K slices) of matmul_small_m for a [m, k] @ [k, n] with
+    `element_size`-byte operands on a GPU of `sms` SMs.
+
+    The tile is SMALL_M_TILES' for m rows. Then the split rule: with tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
+    and blocks = cdiv(k, BLOCK_K),
+        splits = max(1, min(sms // tiles, blocks // MIN_SPLIT_BLOCKS))
+    slices of equal whole BLOCK_K steps (the last one shorter): as many as still fit one program an SM,
+    each long enough to keep its pipeline full. A split costs splits * m * n fp32 written and read back and
+    a second launch (on an H200, 60 -> 75 us at m = 256, n = 7168, k = 8192 in 2 slices), which only more SMs
+    at work repay: at n = 3584 (tensor parallelism 8 of 28672) and 128 rows, 56 tiles, 2 slices ran at 0.85x
+    cuBLAS, one at 0.72x; bench_gemm.py's other K x N have 112-256 tiles, one slice."""
+    tiles = next(dict(t, BLOCK_K=256 // element_size) for rows, t in SMALL_M_TILES if rows is None or m <= rows)
+    count = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
+    blocks = triton.cdiv(k, tiles["BLOCK_K"])
+    return dict(tiles, splits=max(1, min(sms // max(count, 1), blocks // MIN_SPLIT_BLOCKS)))
+
+
+def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | None = None,
+                   variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+    """a [M, K] (row-major) @ w [K, N] (any strides) -> a new [M, N] tensor in a's dtype, the GEMM for M up to
+    SMALL_M_ROWS: narrow tiles over every SM, K split where they are too few (``small_m_config`` for a GPU
+    of `sms` SMs, or `config`, one of its results), operands loaded as VARIANTS[variant] does (one of
+    FUSED_VARIANTS: there is no tile loop to flatten; "tma" needs what `matmul`'s does, 16-byte aligned
+    rows and w with contiguous rows or columns, and raises ValueError otherwise). The K slices' fp32
+    partial sums [splits, M, N] are added in slice order by a second kernel (sum_splits_kernel) and rounded
+    once, so the result depends on the operands and the config alone; one slice stores its tiles straight
+    into the result."""
+    if variant not in FUSED_VARIANTS:
+        raise ValueError(f"variant must be one of {FUSED_VARIANTS}, got {variant!r}")
+    (m, k), n = a.shape, w.shape[1]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if 0 in (m, n, k):
+        return out.zero_()
+    config = dict(config or small_m_config(m, n, k, a.element_size(), sms))
+    splits = config.pop("splits")
+    blocks = triton.cdiv(k, config["BLOCK_K"])
+    blocks_per_split = triton.cdiv(blocks, splits)
+    splits = triton.cdiv(blocks, blocks_per_split)          # no empty slice when `splits` does not divide the blocks
+    partials = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    descriptors = (operand_descriptors(a, w, config) if VARIANTS[variant]["TMA"]
+                   else dict(a_desc=None, w_desc=None, W_KMAJOR=False))
+    grid = (triton.cdiv(m, config["BLOCK_M"]), splits, triton.cdiv(n, config["BLOCK_N"]))
+    matmul_split_k_kernel[grid](a=a, w=w, partials=partials, M=m, N=n, K=k, stride_am=a.stride(0),
+                                stride_wk=w.stride(0), stride_wn=w.stride(1), blocks_per_split=blocks_per_split,
+                                EVEN_K=k % config["BLOCK_K"] == 0, TMA=VARIANTS[variant]["TMA"], **descriptors,
+                                **config)
+    if splits > 1:
+        sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partials=partials, out=out, numel=m * n, splits=splits,
+                                                            BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
