@@ -250,10 +250,32 @@ def crossover(max_tokens: int, iters: int) -> int:
     return tokens
 
 
+def put_path(out: dict, tokens: int, max_tokens: int, iters: int, full: bool) -> None:
+    """The same calls with every peer reached through NVSHMEM puts (puts="all") into `out`, as put_<time>
+    beside the pointer path's <time>, and their ratio puts_over_pointers_<op>_<how>."""
+    ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, puts="all")
+    x, ids, weights, expert_out = inputs(tokens, max_tokens, ep.experts_per_rank)
+    *_, handle = ep.dispatch(x, ids, weights)
+    dispatch = lambda: ep.dispatch(x, ids, weights)               # noqa: E731
+    combine = lambda: ep.combine(expert_out, handle)              # noqa: E731
+    out["put_dispatch_graph_us"] = graph_median(dispatch, iters // 4)
+    *_, handle = ep.dispatch(x, ids, weights)
+    out["put_combine_graph_us"] = graph_median(combine, iters // 4)
+    if full:
+        *_, handle = ep.dispatch(x, ids, weights)
+        out["put_dispatch_eager_us"] = eager_median(dispatch, iters)
+        *_, handle = ep.dispatch(x, ids, weights)
+        out["put_combine_eager_us"] = eager_median(combine, iters)
+    ep.destroy()
+    for op in ("dispatch", "combine"):
+        for how in ("graph", "eager") if full else ("graph",):
+            out[f"puts_over_pointers_{op}_{how}"] = out[f"put_{op}_{how}_us"] / out[f"{op}_{how}_us"]
+
+
 def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, copy_GBps: float | None,
-            progress: Progress) -> dict:
+            puts: bool, progress: Progress) -> dict:
     """One setting: calls of `tokens` tokens per rank on objects for `max_tokens`; `copy_GBps` is
-    peer_copy_GBps(), for the floor at the machine's copy rate."""
+    peer_copy_GBps(), for the floor at the machine's copy rate; with `puts`, the put path too (put_path)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ours = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
     x, ids, weights, expert_out = inputs(tokens, max_tokens, ours.experts_per_rank)
@@ -303,6 +325,9 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
         torch.cuda.synchronize()
         out.update(front_host_us(ours, x, ids, weights, expert_out))
     ours.destroy()
+    if puts:
+        progress.step("put path")
+        put_path(out, tokens, max_tokens, iters, full)
     if with_breakdown:
         progress.step("breakdown")
         timed = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
@@ -370,6 +395,9 @@ COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "di
            "combine_copy_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us", "combine_front_us",
            "combine_kernel_us", "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl",
            "dispatch_link_MB", "dispatch_link_GBps", "combine_link_MB", "combine_link_GBps"]
+PUT_COLUMNS = ["tokens"] + [f"{who}{op}_{how}_us" for op in ("dispatch", "combine") for how in ("graph", "eager")
+                            for who in ("", "put_")] + [f"puts_over_pointers_{op}_{how}" for op in ("dispatch", "combine")
+                                                       for how in ("graph", "eager")]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
                                              for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
 
@@ -453,6 +481,8 @@ def main():
                           breakdown="time each phase of the decode settings with device timestamps",
                           crossover="measure the eager crossover of the decode and prefill tiles on an object for "
                                     "the largest --tokens (EPAllToAll.measure_crossover)",
+                          puts="also time the put path (every peer through NVSHMEM puts: puts='all') beside the "
+                               "pointer path",
                           **{"one-object": "time every setting on objects sized for the largest --tokens"})
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
@@ -474,7 +504,7 @@ def main():
     for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
         with Progress(f"{tokens} tokens per rank") as p:
             max_tokens = max(tokens, *args.tokens) if args.one_object else tokens
-            row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"], p)
+            row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"], args.puts, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
@@ -493,6 +523,9 @@ def main():
                 f"\n{deepep}\n")
         if any("deepep_mode" in row for row in rows):
             text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
+        if args.puts:
+            text += (f"\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and "
+                     f"its time over theirs:\n\n{markdown_table(rows, PUT_COLUMNS, '.2f')}\n")
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]

@@ -71,7 +71,9 @@ class CommTimeoutError(RuntimeError):
 class CallRefusedError(ValueError):
     """A collective call (a constructor, a reference dispatch or combine) that one or more ranks refused,
     raised on every rank of the group with the same message, so that no rank is left waiting for the
-    refusing one. `refusals` maps each refusing rank to its reason (the ValueError it raised)."""
+    refusing one; or a kernel's call that peers refused, raised where a wait for them timed out
+    (``CommObject._raise_refused``). `refusals` maps each refusing rank to its reason (the ValueError it
+    raised)."""
 
     def __init__(self, what: str, refusals: dict[int, str]):
         self.what, self.refusals = what, refusals
@@ -83,17 +85,42 @@ class CallRefusedError(ValueError):
         super().__init__(f"{what} refused by " + "; ".join(parts))
 
 
+def _reason_bytes(refusal: ValueError | None, size: int) -> torch.Tensor:
+    """uint8 [size]: the message of `refusal` (its type's name where empty) in UTF-8, cut to `size` bytes
+    ("..." ending what was cut) and padded with zeros; all zeros for None."""
+    out = torch.zeros(size, dtype=torch.uint8)
+    if refusal is not None:
+        reason = (str(refusal) or type(refusal).__name__).encode()
+        reason = reason if len(reason) <= size else reason[:size - 3] + b"..."
+        out[:len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
+    return out
+
+
+def _reason_text(row: torch.Tensor) -> str:
+    """The message ``_reason_bytes`` wrote into the uint8 `row`."""
+    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
 class CommObject:
     """What the host objects (EPAllToAll, AsyncTP) share: symmetric buffers that destroy() frees,
     and the status of their kernels' bounded waits, which check() turns into CommTimeoutError.
 
     Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32, the timeout report of
-    moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `backend`, `timeout_s`,
-    and TAGS (status tag -> what was waited for).
+    moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `world`, `backend`,
+    `timeout_s`, and TAGS (status tag -> what was waited for).
+
+    A subclass whose calls are kernels waiting on each other (no collective agrees on them) may open a
+    refusal board (``_open_refusals``): a rank that refuses a call writes why into its row of every peer's
+    board (``_tell_refusal``), and a peer whose wait for it then times out raises CallRefusedError naming
+    it (``_raise_refused``) instead of the bare CommTimeoutError.
     """
 
     TAGS: dict[int, str] = {}
+    REPORT_WORDS = 5         # _status's timeout report: [code, peer, tag, value seen, target] (shmem.STATUS_WORDS)
     VERDICT_BYTES = 256      # a refusal's reason as every rank reads it (the checks' messages fit; longer is cut)
+    CALLS: tuple[str, ...] = ()   # the calls a subclass counts (``_calls``), which a refusal note names
+    NOTE_HEADER = 16         # bytes of a note before its reason: int64 CALLS index + 1 (0: no note), int64 call
+    REFUSALS = "refusals"    # the board's name among the symmetric buffers
 
     def _agree(self, what: str, refusal: ValueError | None) -> None:
         """Every rank's verdict on a collective call, before the call's own collectives: one all_gather of
@@ -101,11 +128,7 @@ class CommObject:
         still takes part with its reason, so that every rank raises the same CallRefusedError naming it,
         and no rank enters the call's collectives alone. A rank that does not take part within timeout_s
         (it made another call, or none) breaks the object: CommTimeoutError here and at every later call."""
-        verdict = torch.zeros(self.VERDICT_BYTES, dtype=torch.uint8)
-        if refusal is not None:
-            reason = (str(refusal) or type(refusal).__name__).encode()
-            reason = reason if len(reason) <= self.VERDICT_BYTES else reason[:self.VERDICT_BYTES - 3] + b"..."
-            verdict[:len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
+        verdict = _reason_bytes(refusal, self.VERDICT_BYTES)
         verdicts = torch.empty(dist.get_world_size(self.group) * self.VERDICT_BYTES, dtype=torch.uint8)
         try:
             collectives.all_gather_into_tensor(verdicts, verdict, group=self.group, timeout_s=self.timeout_s)
@@ -113,7 +136,7 @@ class CommObject:
             self._broken = (f"rank {self.rank}: {what} was not agreed by every rank within {self.timeout_s}s (a "
                             f"rank of the group made another call, or none): {error}")
             raise CommTimeoutError(self._broken) from error
-        refusals = {rank: bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+        refusals = {rank: _reason_text(row)
                     for rank, row in enumerate(verdicts.view(-1, self.VERDICT_BYTES)) if row[0]}
         if refusals:
             raise CallRefusedError(what, refusals) from refusal
@@ -210,16 +233,78 @@ class CommObject:
         return ""
 
     def _raise_if_failed(self) -> None:
-        """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout."""
+        """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout
+        (CallRefusedError where peers' notes say they refused the call: ``_raise_refused``)."""
         if self._broken == "destroyed":
             raise RuntimeError(f"this {type(self).__name__} was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
         if self._status is not None and int(self._status[0]):
-            _, peer, tag, seen, target = self._status.tolist()[:5]   # the words of moe_ep.shmem.wait_until_ge
+            _, peer, tag, seen, target = self._status.tolist()[:self.REPORT_WORDS]
             self._broken = (f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
                             f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")
-            raise CommTimeoutError(self._broken)
+            timeout = CommTimeoutError(self._broken)
+            self._raise_refused(timeout)
+            raise timeout
+
+    # ------------------------------------------------------------------------------------ refusals
+
+    def _open_refusals(self, symmetric_zeros, put) -> None:
+        """The refusal board, from symmetric_zeros(shape, dtype) (collective: allocated with the object's other
+        symmetric buffers, in the same order on every rank): uint8 [W, NOTE_HEADER + VERDICT_BYTES], row r
+        the note of the last call rank r refused. `put(dst, src, pe)` copies the contiguous `src` into `pe`'s
+        copy of `dst`, a view of a symmetric tensor (``put_on_stream``: over whatever transport reaches pe)."""
+        self._symmetric[self.REFUSALS] = symmetric_zeros((self.world, self.NOTE_HEADER + self.VERDICT_BYTES),
+                                                         torch.uint8)
+        self._put = put
+
+    def _calls(self) -> dict[str, int]:
+        """How many calls of each name of CALLS this rank has made (a note names call n of one of them)."""
+        return {}
+
+    def _tell_refusal(self, what: str, call: int, refusal: ValueError) -> None:
+        """This rank refused call number `call` of `what` (a name of CALLS) with `refusal`: its note (which
+        call, and why, cut to VERDICT_BYTES) is put into this rank's row of every peer's board, with no
+        collective, from a stream of its own (this rank's queued kernels may be waiting on peers), which this
+        waits for. Nothing without a board, or while a CUDA graph is being captured (no peer runs then)."""
+        board = self._symmetric.get(self.REFUSALS)
+        cuda = self.device.type == "cuda"
+        if board is None or (cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        header = torch.tensor([self.CALLS.index(what) + 1, call], dtype=torch.int64).view(torch.uint8)
+        note = torch.cat([header, _reason_bytes(refusal, self.VERDICT_BYTES)])
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        with torch.cuda.stream(stream):
+            note = note.to(self.device)
+            for pe in range(self.world):
+                if pe != self.rank:
+                    self._put(board[self.rank], note, pe)
+        if stream is not None:
+            stream.synchronize()
+
+    def _raise_refused(self, timeout: CommTimeoutError) -> None:
+        """A wait of this rank timed out (`timeout`, not raised yet). If peers left notes of calls this rank
+        has made (the one that failed, or an earlier one not yet reported), consume them and raise
+        CallRefusedError naming those ranks and their reasons, from `timeout`; the object stays broken, as
+        after any timeout (its peers' counters are a call apart). Returns where there is no board or no such
+        note. Waits for the device first: the failed kernels have finished."""
+        board = self._symmetric.get(self.REFUSALS)
+        if board is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        calls, notes = self._calls(), {}
+        for rank, row in enumerate(board.cpu()):
+            kind, call = row[:self.NOTE_HEADER].view(torch.int64).tolist()
+            if 0 < kind <= len(self.CALLS) and call <= calls[self.CALLS[kind - 1]]:
+                notes[rank] = (self.CALLS[kind - 1], call, _reason_text(row[self.NOTE_HEADER:]))
+                board[rank].zero_()
+        if not notes:
+            return
+        refused = CallRefusedError(", ".join(sorted({f"{what} call {call}" for what, call, _ in notes.values()})),
+                                   {rank: reason for rank, (_, _, reason) in notes.items()})
+        self._broken = f"{refused} ({self._broken})"
+        raise refused from timeout
 
     def _expect(self, name: str, t, dtypes, dim=None, shape=None, contiguous: bool = True) -> None:
         """ValueError unless `t` is a tensor on this object's device with one of `dtypes` (and the
@@ -238,7 +323,8 @@ class CommObject:
             raise ValueError(f"{name} must be contiguous")
 
 
-_state = {"initialized": False, "hook_installed": False, "ranks": (), "group": None}   # group: NVSHMEM's ranks
+_state = {"initialized": False, "hook_installed": False, "ranks": (), "group": None,   # group: NVSHMEM's ranks
+          "probe": None}                                                              # reaches()'s word
 _owned: dict[int, torch.Tensor] = {}   # data_ptr -> symmetric tensor this module allocated
 _modules: list[int] = []               # CUmodule handles of compiled kernels that link NVSHMEM
 
@@ -414,7 +500,7 @@ def finalize() -> None:
     for t in list(_owned.values()):
         free(t)
     core.finalize()
-    _state.update(initialized=False, ranks=(), group=None)
+    _state.update(initialized=False, ranks=(), group=None, probe=None)
 
 
 def finalize_distributed() -> None:
@@ -471,6 +557,14 @@ def peer_ptr(t: torch.Tensor, pe: int) -> int | None:
     _, bindings = _nvshmem()
     address = bindings.ptr(t.data_ptr(), pe)
     return int(address) or None
+
+
+def reaches(pe: int) -> bool:
+    """Whether NVSHMEM gives this GPU a peer pointer to `pe` (NVLink, or the same GPU): asked of a
+    symmetric word allocated once, at the first call (collective then), and freed by finalize."""
+    if _state.get("probe") is None:
+        _state["probe"] = symmetric_zeros((1,), torch.int64)
+    return peer_ptr(_state["probe"], pe) is not None
 
 
 def peer_tensor(t: torch.Tensor, pe: int) -> torch.Tensor:

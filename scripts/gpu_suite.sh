@@ -173,7 +173,8 @@ for part in $parts; do
         --and-then pytest_shmem 300 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_shmem_gpu.py
       lane pytest_ep 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
-        -m gpu tests/test_ep_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
+        -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py tests/test_moe_layer.py tests/test_quant.py \
+        --and-then engine_tests 240
       lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py \
         --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
@@ -190,8 +191,8 @@ for part in $parts; do
       # 4 x H200 (benchmarks/NOTES.md, "On 2 and 4 GPUs").
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
-      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
-        tests/test_ep_gpu.py tests/test_shmem_gpu.py --and-then multi_elastic 240 python3 -m pytest -q -rs -s -m gpu \
+      lane multi_ep 480 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_ep_gpu.py tests/test_ep_puts_gpu.py tests/test_shmem_gpu.py --and-then multi_elastic 240 python3 -m pytest -q -rs -s -m gpu \
         tests/test_ep_elastic.py
       lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
@@ -204,12 +205,13 @@ for part in $parts; do
       cat "$out"/*.lane
       lanes_passed multi_ep multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 tutorial04 tutorial06
       deepep_bench
-      step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out"
+      step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts
       step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out"
       step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
     deepep) deepep_build step
             deepep_bench ;;
-    tests_ep) step pytest_ep 540 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_shmem_gpu.py ;;
+    tests_ep) step pytest_ep 540 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py \
+                tests/test_shmem_gpu.py ;;
     tests_moe) step pytest_moe 540 python3 -m pytest -q -rs tests/test_moe_layer.py tests/test_grouped_gemm.py \
                  tests/test_quant.py tests/test_matmul.py ;;
     tests_tp) step pytest_tp 540 python3 -m pytest -q -rs -m gpu tests/test_tp_gpu.py ;;

@@ -7,6 +7,7 @@ multiply-adds.
 """
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from cases import expert_fn, make_inputs
 from distributed import gpu_worlds, run
-from moe_ep import CommTimeoutError, EPAllToAll, reference
+from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, reference
 from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import MODES
 from moe_ep.routing import random_topk
@@ -56,10 +57,10 @@ def check_call(ep, x, ids, weights, straggle=None, out=False, mode="auto"):
     return recv_count
 
 
-def _sweep(rank, world, configs, max_tokens=MAX_TOKENS, token_counts=TOKENS):
+def _sweep(rank, world, configs, max_tokens=MAX_TOKENS, token_counts=TOKENS, puts="auto"):
     rng = random.Random(1)
     for hidden, topk, experts, fp8 in configs:
-        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8)
+        ep = EPAllToAll(max_tokens, hidden, experts, topk, fp8_dispatch=fp8, puts=puts)
         seed = hidden + topk + experts
         for i in range(len(token_counts)):                 # token counts differ across ranks
             tokens = [token_counts[(i + r) % len(token_counts)] for r in range(world)]
@@ -81,8 +82,8 @@ def test_dispatch_combine_sweep(part, world):
     run(_sweep, world, SWEEP[part::2], gpu=True, timeout=600)
 
 
-def _back_to_back(rank, world, calls):
-    ep = EPAllToAll(64, 2048, 64, 8, validate=False)
+def _back_to_back(rank, world, calls, puts="auto"):
+    ep = EPAllToAll(64, 2048, 64, 8, validate=False, puts=puts)
     ep.protocol.one_launch_tokens = 32        # "auto" dispatches of more tokens take the prefill tiles
     g = torch.Generator().manual_seed(rank)
     rng, modes = random.Random(5), random.Random(rank)   # every rank its own mode a call
@@ -102,13 +103,13 @@ def test_back_to_back_calls(world):
     run(_back_to_back, world, 1000, gpu=True, timeout=600)
 
 
-def _prefill_sized(rank, world):
+def _prefill_sized(rank, world, puts="auto"):
     """Calls of more than ONE_LAUNCH_TOKENS tokens: "auto" and "prefill" take the send and receive kernels
     bound with the prefill tiles (a second, partly masked chunk of a 7168-column row), "decode" the one
     launch at any size; ranks mix the modes in one call. The object's layout sorts chunks of 1024 ids; calls
     of at most 128 tokens compare theirs instead (at 150, ranks of 150 tokens sort, ranks of 50 compare)."""
     max_tokens = ONE_LAUNCH_TOKENS + 88
-    ep = EPAllToAll(max_tokens, 7168, 64, 8)
+    ep = EPAllToAll(max_tokens, 7168, 64, 8, puts=puts)
     for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens, 300, 150]):
         counts = [max(tokens - 100, 0) if (i + r) % 2 else tokens for r in range(world)]
         check_call(ep, *make_inputs(rank, counts, 7168, 64, 8, seed=i, device="cuda"), out=i % 2 == 1,
@@ -121,9 +122,9 @@ def test_prefill_sized_calls(world):
     run(_prefill_sized, world, gpu=True, timeout=300)
 
 
-def _hooks_graphs_and_errors(rank, world):
+def _hooks_graphs_and_errors(rank, world, puts="auto"):
     hidden, experts, topk = 2048, 64, 8
-    ep = EPAllToAll(32, hidden, experts, topk)
+    ep = EPAllToAll(32, hidden, experts, topk, puts=puts)
     tokens = [32 - r for r in range(world)]
     a = make_inputs(rank, tokens, hidden, experts, topk, seed=1, device="cuda")
     b = make_inputs(rank, tokens, hidden, experts, topk, seed=2, device="cuda")
@@ -214,6 +215,51 @@ def _timeout(rank, world):
 @gpu_worlds
 def test_timeout_raises(world):
     run(_timeout, world, gpu=True, timeout=120)
+
+
+def _refused_on_rank_0(refuse, call, message: str) -> None:
+    """On a fresh object (timeout_s=2, its kernels compiled by a first call): rank 0 refuses a call
+    (refuse(ep, inputs): its own ValueError), rank 1 makes it (call(ep, inputs)), and rank 1's check() raises
+    CallRefusedError matching `message` within timeout_s and a second; from then on its object says what
+    broke it. Then every rank destroys it."""
+    ep = EPAllToAll(8, 256, 8, 2, timeout_s=2.0)
+    rank = ep.rank
+    inputs = make_inputs(rank, [8, 6], 256, 8, 2, seed=6, device="cuda")
+    check_call(ep, *inputs)
+    if rank == 0:
+        with pytest.raises(ValueError) as refused:
+            refuse(ep, inputs)
+        assert type(refused.value) is ValueError
+    else:
+        started = time.monotonic()
+        call(ep, inputs)
+        with pytest.raises(CallRefusedError, match=message) as refused:
+            ep.check()
+        assert list(refused.value.refusals) == [0] and time.monotonic() - started < ep.timeout_s + 1
+        with pytest.raises(CommTimeoutError, match="refused by rank 0"):
+            ep.dispatch(*inputs)
+    dist.barrier()
+    ep.destroy()
+
+
+def _refusals(rank, world):
+    """Rank 0 refuses a dispatch (a token too many), then on another object a combine (expert_out of the
+    wrong shape); rank 1's call of each ends in CallRefusedError naming rank 0 and why."""
+    too_many = make_inputs(0, [9], 256, 8, 2, seed=7, device="cuda")
+    _refused_on_rank_0(lambda ep, inputs: ep.dispatch(*too_many), lambda ep, inputs: ep.dispatch(*inputs),
+                       r"^dispatch call 2 refused by rank 0: 9 tokens is more than max_tokens=8$")
+
+    def combine(ep, inputs, rows=None):
+        recv_x, recv_scales, _, handle = ep.dispatch(*inputs)
+        expert_out = expert_fn(recv_x, recv_scales, ep.fp8_group, torch.bfloat16)
+        ep.combine(expert_out if rows is None else expert_out[:, :rows].contiguous(), handle)
+
+    _refused_on_rank_0(lambda ep, inputs: combine(ep, inputs, rows=8), combine,
+                       r"^combine call 2 refused by rank 0: expert_out has shape \(4, 8, 256\)")
+
+
+def test_a_refused_call_fails_on_every_rank():
+    run(_refusals, 2, gpu=True, timeout=300)
 
 
 def _never_synchronizes(rank, world):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
-from moe_ep import EPAllToAll, launcher
+from moe_ep import CommTimeoutError, EPAllToAll, launcher
 from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
 from moe_ep.ep import low_latency, protocol
 from moe_ep.ep.protocol import MODES
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False):
+def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False, puts="auto", nodes=1):
     return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=fp8_group is not None,
-                                fp8_group=fp8_group or 128, timing=timing)
+                                fp8_group=fp8_group or 128, timing=timing, puts=puts, nodes=nodes)
 
 
 # world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert
@@ -34,6 +34,7 @@ CASES = [
     (3, [(2, 0, 3), (4, 4, 1), (0, 0, 2)], 128, 6, 4, 64, 0.25, None),
     (3, [(3, 3, 3), (1, 2, 3), (3, 0, 1)], 200, 9, 3, None, 0.2, 4),
     (2, [(17, 9), (0, 20), (20, 1)], 128, 4, 2, 32, 0.1, None),
+    (4, [(3, 0, 5, 2), (4, 4, 1, 0), (2, 5, 0, 5)], 128, 8, 3, 64, 0.1, None),
 ]
 
 
@@ -53,11 +54,50 @@ def test_layout_in_sorted_chunks(case, chunk_ids, monkeypatch):
     check_calls(*CASES[case])
 
 
-def check_calls(world, calls, hidden, experts, topk, group, drop, one_expert):
+@pytest.mark.parametrize("case,puts,nodes", [(0, "all", 1), (1, "all", 1), (2, "all", 1), (4, "all", 1),
+                                              (5, "all", 1), (5, "auto", 2), (5, "auto", 4)])
+def test_put_path_in_the_interpreter(case, puts, nodes):
+    """Peers reached through puts (emulated: shmem.SimulatedHeap): every peer (puts="all"), or the ranks of
+    other nodes (a node of two ranks in a world of four: each rank reaches one peer through a pointer and
+    two through puts; nodes of one rank: every peer through puts), in the same calls."""
+    check_calls(*CASES[case], puts=puts, nodes=nodes)
+
+
+@pytest.mark.parametrize("case,nodes", [(2, 3), (5, 2)])
+def test_put_path_in_sorted_chunks(case, nodes, monkeypatch):
+    """The put path with the layout of large calls: offsets per chunk of ids go with the call's metadata."""
+    monkeypatch.setattr(low_latency, "COMPARE_IDS", 0)
+    monkeypatch.setattr(low_latency, "LAYOUT_IDS", 4)
+    check_calls(*CASES[case], nodes=nodes)
+
+
+def test_peer_paths_and_a_put_peer_that_never_sends():
+    """peer_paths says how each rank is reached; a rank that waits for a put peer that never sends ends in
+    CommTimeoutError naming it, within timeout_s."""
+    ranks = EPAllToAll.simulated(4, 4, 128, 8, 2, fp8_dispatch=False, timeout_s=0.5, nodes=2)
+    assert [ep.peer_paths for ep in ranks] == [["local", "nvlink", "put", "put"], ["nvlink", "local", "put", "put"],
+                                              ["put", "put", "local", "nvlink"], ["put", "put", "nvlink", "local"]]
+    assert EPAllToAll.simulated(2, 4, 128, 8, 2, puts="all")[1].peer_paths == ["put", "local"]
+    with pytest.raises(ValueError, match="puts must be one of"):
+        EPAllToAll.simulated(2, 4, 128, 8, 2, puts="none")
+    with pytest.raises(ValueError, match="puts='all' needs backend='nvshmem' and elastic=False"):
+        EPAllToAll.simulated(2, 4, 128, 8, 2, puts="all", elastic=True)
+    with pytest.raises(ValueError, match="elastic mode needs every peer reached through a peer pointer"):
+        EPAllToAll.simulated(2, 4, 128, 8, 2, elastic=True, nodes=2)
+    inputs = make_inputs(0, [4, 4, 4, 4], 128, 8, 2, seed=0)
+    *_, hook = ranks[0].dispatch(*inputs, return_recv_hook=True)
+    for ep in ranks[1:3]:                              # rank 3, reached by puts, never sends
+        ep.dispatch(*make_inputs(ep.rank, [4, 4, 4, 4], 128, 8, 2, seed=0), return_recv_hook=True)
+    hook()
+    with pytest.raises(CommTimeoutError, match="rank 0: dispatch .* waiting for rank 3"):
+        ranks[0].check()
+
+
+def check_calls(world, calls, hidden, experts, topk, group, drop, one_expert, puts="auto", nodes=1):
     """Dispatch and combine of every call in `calls` (tokens per rank), each rank's results bit for bit
     against the oracle's."""
     max_tokens = max(max(c) for c in calls)
-    ranks = simulated_world(world, max_tokens, hidden, experts, topk, group)
+    ranks = simulated_world(world, max_tokens, hidden, experts, topk, group, puts=puts, nodes=nodes)
     for call, tokens in enumerate(calls):
         inputs = [make_inputs(r, tokens, hidden, experts, topk, seed=call, drop=drop, one_expert=one_expert)
                   for r in range(world)]

@@ -37,8 +37,18 @@ backend, whose calls are host collectives, exchanges every rank's verdict on eac
 before the call's own collectives (CommObject._agree: one all_gather of 256 bytes a rank, bounded by
 ``timeout_s``), so a rank's ValueError (too many tokens, an id out of range, a wrong shape) raises
 CallRefusedError naming that rank and its reason on every rank, and no rank is left inside a collective.
-On the nvshmem backend the refusing rank raises its ValueError before any launch, and its peers' waits
-end at ``timeout_s`` in CommTimeoutError: the kernels do not carry a refusal to the peers yet.
+On the nvshmem backend, whose calls no collective agrees on, the refusing rank raises its ValueError
+before any launch (a bad argument, or an out-of-range id that its previous dispatch saw) and tells its
+peers, with no collective: it writes which call and why (cut to 256 bytes) into its row of every peer's
+refusal board, a small symmetric buffer (CommObject._tell_refusal). A peer that made the call waits for
+the refusing rank until ``timeout_s``; then check(), or its next call (which does not run), reads its board
+and raises CallRefusedError naming the refusing ranks and their reasons instead of CommTimeoutError
+(CommObject._raise_refused; the notes are consumed). As after any timeout the peer's object is broken from
+then on (its counters and the refusing rank's are a call apart): build the object again on every rank. A
+refusing rank whose next call of that kind comes before its peers' waits end makes their call complete
+instead (a call pairs with whichever call of the same number comes). An accepted call neither writes nor
+reads the board. With elastic=True no wait times out: the peers mask a rank that refuses, as they mask one
+that stops.
 
 Elastic mode (``elastic=True``): a rank that dies no longer stops the others. Each rank keeps a
 live mask on the device, which every kernel reads. A wait that runs past ``timeout_s`` on a peer
@@ -65,13 +75,16 @@ import torch.distributed as dist
 from .. import runtime
 from ..kernels import status
 from ..routing import random_topk
+from ..shmem import SimulatedHeap
 from ..timing import median_us, why_untimed
 from .collective import CollectiveProtocol
 from .low_latency import LowLatency
 from .protocol import MODES, EPConfig, EPResources, KernelProtocol, crossover_tokens
+from .puts import put_peers
 
 PROTOCOLS = {"nvshmem": LowLatency, "reference": CollectiveProtocol}   # backend -> protocol
 BACKENDS = tuple(PROTOCOLS)
+PUTS = ("auto", "all")       # which peers the nvshmem backend reaches through puts (ep.puts)
 MAX_TOPK = 16
 MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word
 IDS_DTYPES = (torch.int32, torch.int64)
@@ -123,9 +136,14 @@ class EPAllToAll(runtime.CommObject):
         device: where x, topk_ids, expert_out and the outputs live. The reference backend takes any
             device; nvshmem runs on this process's GPU only. Default: this process's GPU when the group
             is NCCL (or ranks share a GPU), else the CPU.
+        puts: which peers the nvshmem backend reaches through NVSHMEM puts and signals (over whatever
+            transport NVSHMEM was started with) instead of stores through a peer pointer: "auto" those
+            NVSHMEM gives no pointer to (other nodes), "all" every peer (the put path on one node).
+            ``peer_paths`` says which path each rank takes. Not with elastic mode.
     """
 
     TAGS = status.TAGS
+    CALLS = ("dispatch", "combine")     # the calls a refusal note names (CommObject._tell_refusal)
     # the layer's shape and options, read-only: EPConfig's fields
     world, rank = _from_config("world"), _from_config("rank")
     max_tokens, hidden, topk = _from_config("max_tokens"), _from_config("hidden"), _from_config("topk")
@@ -136,23 +154,26 @@ class EPAllToAll(runtime.CommObject):
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False,
-                 num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False):
+                 num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False,
+                 puts: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         settings = dict(max_tokens=max_tokens, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
                         fp8_group=fp8_group if fp8_dispatch else None, backend=backend, num_sms=num_sms,
-                        elastic=elastic)
+                        elastic=elastic, puts=puts)
         self._configure_on_every_rank(
             "EPAllToAll", lambda: self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden,
                                                   num_experts, topk, dtype, fp8_dispatch, fp8_group, backend,
-                                                  timeout_s, validate, timing, num_sms, elastic),
+                                                  timeout_s, validate, timing, num_sms, elastic, puts),
             settings, group, backend, device)
         sms = self._open(group, backend, device)
         if sms is None:                                   # the reference backend: no NVSHMEM
             self._build(EPResources(group, self.device))
             return
         self._build(EPResources(group, self.device, runtime.symmetric_zeros, min(sms, num_sms or sms),
-                                one_launch=runtime.ranks_per_gpu() == 1))
+                                one_launch=runtime.ranks_per_gpu() == 1,
+                                put_peers=put_peers(self.world, self.rank, runtime.reaches, puts)))
+        self._open_refusals(runtime.symmetric_zeros, runtime.put_on_stream)
         self.protocol.connect(lambda name, buf: [runtime.peer_ptr(buf, r) for r in range(self.world)])
         runtime.barrier()
 
@@ -160,18 +181,26 @@ class EPAllToAll(runtime.CommObject):
     def simulated(cls, world: int, max_tokens: int, hidden: int, num_experts: int, topk: int,
                   dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                   timeout_s: float = 5.0, validate: bool = True, timing: bool = False,
-                  num_sms: int = 1, elastic: bool = False) -> list[EPAllToAll]:
+                  num_sms: int = 1, elastic: bool = False, puts: str = "auto", nodes: int = 1) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
-        the symmetric buffers are plain tensors and the peer tables hold their addresses. Under the
-        Triton interpreter the kernels run for real (one program at a time: issue every rank's sends,
-        with return_recv_hook=True, before any receive); elsewhere it measures the host side of a call."""
-        ranks = []
+        the symmetric buffers are plain tensors (``shmem.SimulatedHeap``) and the peer tables hold their
+        addresses. The ranks form `nodes` nodes of world / nodes consecutive ranks: a rank reaches the
+        ranks of its node through pointers, the others through puts (or every other rank, with puts="all").
+        Under the Triton interpreter the kernels run for real, puts emulated (one program at a time: issue
+        every rank's sends, with return_recv_hook=True, before any receive); elsewhere it measures the
+        host side of a call."""
+        if nodes < 1 or world % nodes:
+            raise ValueError(f"nodes={nodes} does not divide world={world}")
+        heap, ranks = SimulatedHeap(world), []
         for rank in range(world):
             ep = cls.__new__(cls)
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                          "nvshmem", timeout_s, validate, timing, num_sms, elastic)
-            ep.group, ep.device = None, torch.device("cpu")
-            ep._build(EPResources(None, ep.device, lambda shape, dtype: torch.zeros(shape, dtype=dtype), num_sms))
+                          "nvshmem", timeout_s, validate, timing, num_sms, elastic, puts)
+            ep.group, ep.device, ep._heap = None, torch.device("cpu"), heap
+            node = rank * nodes // world
+            remote = put_peers(world, rank, lambda r: r * nodes // world == node, puts)
+            ep._build(EPResources(None, ep.device, heap.allocator(rank), num_sms, put_peers=remote))
+            ep._open_refusals(heap.allocator(rank), SimulatedHeap.put)
             ranks.append(ep)
         for ep in ranks:
             ep.protocol.connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
@@ -180,9 +209,9 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                   backend, timeout_s, validate, timing=False, num_sms=None, elastic=False) -> None:
+                   backend, timeout_s, validate, timing=False, num_sms=None, elastic=False, puts="auto") -> None:
         check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                     backend, timeout_s, num_sms, elastic)
+                     backend, timeout_s, num_sms, elastic, puts)
         self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype,
                                fp8_group if fp8_dispatch else None, timeout_s, validate, timing, elastic)
         self.backend = backend
@@ -208,6 +237,16 @@ class EPAllToAll(runtime.CommObject):
         if self._broken or self.protocol.reported():
             super()._raise_if_failed()
             self.protocol.raise_reported()
+
+    def _calls(self) -> dict[str, int]:
+        return {"dispatch": self._dispatches, "combine": self._combines}
+
+    def _refused(self, what: str, refusal: ValueError) -> None:
+        """This rank refused its next call of `what` ("dispatch" or "combine"): where no collective agrees on
+        calls, its peers are told (``_tell_refusal``), unless `refusal` only reports peers' refusals
+        (CallRefusedError)."""
+        if not self.protocol.agrees_on_calls and not isinstance(refusal, runtime.CallRefusedError):
+            self._tell_refusal(what, self._calls()[what] + 1, refusal)
 
     def _agreed(self, what: str, check, *args) -> None:
         """check(*args), this rank's checks of a call, then every rank's verdict on it (``_agree``: where the
@@ -302,11 +341,15 @@ class EPAllToAll(runtime.CommObject):
             hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
         The outputs stay valid until the dispatch after next.
         """
-        self._raise_if_failed()
-        if self.protocol.agrees_on_calls:
-            self._agreed("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode)
-        else:
-            self._check_dispatch_args(x, topk_ids, topk_weights, mode)
+        try:
+            self._raise_if_failed()
+            if self.protocol.agrees_on_calls:
+                self._agreed("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode)
+            else:
+                self._check_dispatch_args(x, topk_ids, topk_weights, mode)
+        except ValueError as refusal:
+            self._refused("dispatch", refusal)
+            raise
         slot = self._dispatches % self._slots
         self._dispatches += 1
         call, protocol = self._dispatches, self.protocol
@@ -346,11 +389,15 @@ class EPAllToAll(runtime.CommObject):
                 (t, k), in fp32.
             hook (with return_recv_hook=True): launches the receive; read y only after it.
         """
-        self._raise_if_failed()
-        if self.protocol.agrees_on_calls:
-            self._agreed("combine", self._check_combine_args, expert_out, handle, out)
-        else:
-            self._check_combine_args(expert_out, handle, out)
+        try:
+            self._raise_if_failed()
+            if self.protocol.agrees_on_calls:
+                self._agreed("combine", self._check_combine_args, expert_out, handle, out)
+            else:
+                self._check_combine_args(expert_out, handle, out)
+        except ValueError as refusal:
+            self._refused("combine", refusal)
+            raise
         slot = self._combines % self._slots
         self._combines += 1
         protocol = self.protocol
@@ -403,6 +450,12 @@ class EPAllToAll(runtime.CommObject):
     def in_flight(self) -> int:
         """Dispatches and combines issued with return_recv_hook=True whose receive hook is not yet called."""
         return sum(self._in_flight.values())
+
+    @property
+    def peer_paths(self) -> list[str]:
+        """How this rank reaches each rank [W]: "local" (itself), "nvlink" (stores through a peer pointer),
+        "put" (NVSHMEM puts and signals), or "collective" (the reference backend's torch.distributed)."""
+        return self.protocol.peer_paths()
 
     def live_ranks(self) -> list[int]:
         """The ranks this one counts live: all of them unless elastic mode lost or masked some. Reads the
@@ -503,10 +556,14 @@ def _no_hook() -> None:
 
 
 def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                 timeout_s=10.0, num_sms=None, elastic=False) -> None:
+                 timeout_s=10.0, num_sms=None, elastic=False, puts="auto") -> None:
     """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if puts not in PUTS:
+        raise ValueError(f"puts must be one of {PUTS}, got {puts!r}")
+    if puts == "all" and (backend != "nvshmem" or elastic):
+        raise ValueError("puts='all' needs backend='nvshmem' and elastic=False")
     if elastic and backend != "nvshmem":
         raise ValueError(f"elastic=True needs backend='nvshmem' (the {backend} backend cannot go on without a rank)")
     if elastic and world > MAX_ELASTIC_WORLD:

@@ -16,6 +16,7 @@ from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, ST
 from ..runtime import CommTimeoutError
 from ..shmem import INTERPRETING
 from .protocol import CallShape, EPConfig, EPResources, KernelProtocol
+from .puts import PutPeers
 
 SLOTS = kernels.NUM_SLOTS
 
@@ -26,13 +27,15 @@ SLOTS = kernels.NUM_SLOTS
 # tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 80, 6).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
                    "dispatch": 8, "combine": 8}
-# Eager dispatches of mode "auto" take the decode tiles up to this many tokens, in one launch without a hook: on
-# H200s (H = 7168, top-8) one launch saved 8-23 us of host time a call and took within a few us of the two
-# kernels' GPU time up to 512 tokens, but 358 us against 291 us at 4096 on one GPU (benchmarks/NOTES.md). In CUDA
-# graphs, where no launch costs host time, "auto" takes the prefill tiles at every size. Combine runs in one
-# launch at every size (251 against 266 us at 4096). EPAllToAll.measure_crossover replaces it with the
-# crossover it measures on its own GPU (on one H200: 512).
-ONE_LAUNCH_TOKENS = 512
+# Eager dispatches of mode "auto" take the decode tiles up to this many tokens, in one launch without a hook, the
+# prefill tiles above. Measured across GPUs, a GPU a rank (H = 7168, top-8, FP8; eager, us, decode / prefill tiles;
+# benchmarks/results/all_to_all_{2,4}gpus.json): 2 x H200 at 16, 128, 512 tokens: 36.7 / 40.6, 44.8 / 48.8,
+# 89.2 / 62.9; 4 x H200: 40.8 / 40.8, 53.8 / 51.2, 130.8 / 92.9. One launch saves host time, but the decode tiles'
+# one wave of programs, which must all wait for every peer, loses to the prefill tiles' split kernels by 512
+# tokens. (On one GPU, with no peer to wait for, the crossover was 512; benchmarks/NOTES.md.) In CUDA graphs,
+# where no launch costs host time, "auto" takes the prefill tiles at every size. Combine runs in one launch at
+# every size. EPAllToAll.measure_crossover replaces it with the crossover it measures on its own GPUs.
+ONE_LAUNCH_TOKENS = 128
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
 # items and twice the programs, up to one wave (``LowLatency.one_wave``): at 4096 tokens on one H200 that cut
@@ -195,6 +198,7 @@ class LowLatency(KernelProtocol):
         then the first out-of-range expert id a dispatch saw (kernels.status), pinned on a GPU so that
         the host reads them without a sync."""
         super().__init__(config, resources)
+        self.puts = PutPeers(config, resources.put_peers) if resources.put_peers else None
         symmetric_zeros, device, sms = resources.symmetric_zeros, resources.device, resources.sms
         self.one_launch = resources.one_launch
         status = torch.zeros(EP_STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -226,7 +230,12 @@ class LowLatency(KernelProtocol):
                                               out=self.local((S, T, H), config.dtype))
         self.live = symmetric_zeros((W,), torch.int32).fill_(1)
         self.lost_experts = self.local((S, T, config.topk), torch.int8)
+        if self.puts:
+            self.puts.allocate(symmetric_zeros, {"dispatch": self.dispatch_buffers, "combine": self.combine_buffers})
+            self.remote, self.echo_addr = self.puts.bits, self.puts.echo.data_ptr()
         self.publish(kernels.DISPATCH_PEERS, kernels.COMBINE_PEERS)
+        if self.puts:
+            self.symmetric.update(self.puts.symmetric(self.name))
 
     def call_shape(self, tokens: int) -> CallShape:
         """The layout programs of a call of `tokens` tokens (``layout_blocks``); its send kernels get them and
@@ -260,6 +269,8 @@ class LowLatency(KernelProtocol):
         """Peer tables and bound kernels: per slot (and, for combine_send, per slot of the dispatch it
         follows). peer_addresses(name, buffer) -> every rank's address of a symmetric buffer."""
         c, d, cb = self.config, self.dispatch_buffers, self.combine_buffers
+        if self.puts:
+            peer_addresses = self.puts.addresses(peer_addresses)
         self.live_peers = self.live_table(peer_addresses)
         dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
         combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)

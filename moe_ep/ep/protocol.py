@@ -32,6 +32,8 @@ import torch
 import triton
 
 from ..launcher import BoundKernel
+from ..runtime import device_library
+from ..shmem import INTERPRETING
 
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
 
@@ -95,6 +97,7 @@ class EPResources:
     sms: int = 1                           # SMs a grid may fill, the same on every rank
     one_launch: bool = True                # calls without a receive hook may run both phases in one launch
                                            # (not with several ranks on a GPU: see kernels.all_to_all)
+    put_peers: tuple[int, ...] = ()        # the ranks reached by puts, not peer pointers (ep.puts)
 
 
 class CallShape(NamedTuple):
@@ -129,6 +132,10 @@ class EPProtocol:
     def connect(self, peer_addresses) -> None:
         """After every rank has built its protocol (collective): `peer_addresses(name, buffer)` -> every
         rank's address of the symmetric buffer `name`. Protocols without peer tables need nothing."""
+
+    def peer_paths(self) -> list[str]:
+        """How this rank reaches each rank: "collective" (a torch.distributed collective) for every rank."""
+        return ["collective"] * self.config.world
 
     def check_ids(self, topk_ids: torch.Tensor) -> None:
         """ValueError if an id lies outside [-1, E) (protocols with checks_ids_on_host)."""
@@ -171,6 +178,8 @@ class KernelProtocol(EPProtocol):
 
     kernel_names: tuple[str, ...] = ()
     stamp_names: tuple[str, ...] = ()
+    remote = 0                 # the ranks reached by puts, as int64 bits (ep.puts): none here
+    echo_addr = 0              # the address of the puts' echo words (ep.puts)
     one_wave: tuple[str, ...] = ()       # split kernels whose grid is cut to what the SMs hold at once
 
     def _start(self, status: torch.Tensor, grid: dict[str, int], sms: int) -> None:
@@ -193,6 +202,12 @@ class KernelProtocol(EPProtocol):
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}     # (buffer, slot, tokens) -> a call's rows
         self._shapes: dict[int, CallShape] = {}           # tokens -> call_shape(tokens), made once
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
+
+    def peer_paths(self) -> list[str]:
+        """How this rank reaches each rank: "local" (itself), "nvlink" (stores through a peer pointer) or
+        "put" (NVSHMEM puts and signals: ``ep.puts``)."""
+        return ["local" if r == self.config.rank else "put" if self.remote >> r & 1 else "nvlink"
+                for r in range(self.config.world)]
 
     def call_shape(self, tokens: int) -> CallShape:
         """What a call of `tokens` tokens launches (the subclass's grids)."""
@@ -225,7 +240,13 @@ class KernelProtocol(EPProtocol):
         return dict(rank=c.rank, world=c.world, max_tokens=c.max_tokens, hidden=c.hidden, topk=c.topk,
                     experts_per_rank=c.experts_per_rank, timeout_ns=int(c.timeout_s * 1e9),
                     status_addr=self.status.data_ptr(), K_PAD=triton.next_power_of_2(c.topk),
-                    WORLD_PAD=triton.next_power_of_2(c.world), ELASTIC=c.elastic, TIMING=c.timing)
+                    WORLD_PAD=triton.next_power_of_2(c.world), ELASTIC=c.elastic, TIMING=c.timing,
+                    remote=self.remote, echo_addr=self.echo_addr, PUTS=self.remote != 0, **self._library())
+
+    def _library(self) -> dict:
+        """The compile option that links NVSHMEM's device library, for kernels that put (not under the
+        interpreter, which emulates the puts: shmem.SimulatedHeap)."""
+        return {"extern_libs": device_library()} if self.remote and not INTERPRETING else {}
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:
         """Kernel `name` (a key of `grid`) bound for `slot` with its program state, use counts and stamps:

@@ -1,4 +1,4 @@
-"""Low-latency expert-parallel dispatch and combine over NVLink peer pointers.
+"""Low-latency EP dispatch and combine over NVLink peer pointers, and NVSHMEM puts where no pointer reaches.
 
 Four kernels, two per direction, each launched by the low-latency protocol of ``moe_ep.EPAllToAll``
 (``moe_ep.ep.low_latency``), and a one-launch kernel per direction that runs both (below):
@@ -69,6 +69,18 @@ Buffers a kernel reaches on peers come in one peer table per direction: int64 [r
 ``peers[ROW * world + r]`` = rank r's address of buffer ROW (the ``DISPATCH_PEERS`` /
 ``COMBINE_PEERS`` rows).
 
+Peers reached by puts (PUTS; ``moe_ep.ep.puts``): a peer without a peer pointer (another node), or
+every peer where puts are forced, is reached through NVSHMEM's puts and signals, which go over
+whatever transport NVSHMEM was started with. Its peer-table entries point into this rank's own
+staging copy of each buffer (shifted so that the same offsets land in row block [slot, peer]), so
+the kernels store for it exactly as for a pointer peer; then each work item puts the rows it staged
+(``_put_span``: non-blocking, one put per row chunk and peer), every program completes its puts
+(``quiet``) before it counts itself finished, and the last one puts the call's small metadata
+(``_put_call_layout``), fences, and signals each such peer with a put whose signal adds 1
+(``_signal_by_puts``): NVSHMEM delivers the signal after its own put, and the fence orders the
+earlier puts to that peer before it. Credits go back the same way. A put peer's receiver reads
+its own buffers as ever: nothing on the receiving side knows which path rows came by.
+
 With ``TIMING`` on, each kernel records four global-timer stamps per call into its row of an
 int64 [4, 4] array (``STAMPS``): when its first program started, when its waits returned, when
 its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` reads them.
@@ -76,8 +88,8 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import (INTERPRETING, any_thread, bits_of, last_to_finish, now_ns, signal_add_to, wait_all_ge,
-                     wait_live_ge)
+from ..shmem import (INTERPRETING, SIGNAL_ADD, any_thread, bits_of, fence, last_to_finish, now_ns, putmem_nbi_block,
+                     putmem_signal_nbi_block, quiet, signal_add_to, wait_all_ge, wait_live_ge)
 from .quant import cast_rn, fp8_quantize_groups, to_fp8
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
@@ -106,7 +118,7 @@ RECV_COUNTERS, RECV_STAMPS = tl.constexpr(NUM_SLOTS), tl.constexpr(len(STAMPS))
 # Run-time ints: no specialization on their values (an int equal to 1 would become a constexpr), so one
 # compiled kernel serves every max_tokens. hidden stays specialized: its divisibility by 16 is what lets
 # row loads and stores vectorize.
-_INTS = ["call", "slot", "rank", "world", "max_tokens", "topk", "experts_per_rank", "timeout_ns"]
+_INTS = ["call", "slot", "rank", "world", "max_tokens", "topk", "experts_per_rank", "timeout_ns", "remote"]
 
 
 if INTERPRETING:
@@ -259,19 +271,68 @@ def _await_peers(ok, stamps, flags, slot, live_peers, rank, world, use, timeout_
 
 
 @triton.jit
-def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, stamps, WORLD_PAD: tl.constexpr,
-            ELASTIC: tl.constexpr, TIMING: tl.constexpr):
+def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, remote, stamps,
+            WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr):
     """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank
-    (with ELASTIC: on every live rank, and on none where this rank's wait failed)."""
+    (with ELASTIC: on every live rank, and on none where this rank's wait failed) that a pointer reaches.
+    Returns the ranks of `remote` (bits) the last one must still signal by puts (``_signal_by_puts``),
+    none in the other programs. With PUTS every program first completes its puts."""
+    if PUTS:
+        quiet()
     _stamp(stamps, STAMP_WORKED, TIMING)
+    far = tl.full([], 0, tl.int64)
     if _retire(finished, uses, use):
         r = tl.arange(0, WORLD_PAD)
         ranks = world
         if ELASTIC:
             ranks = tl.where(ok, world, 0)
         to = (r < ranks) & _bit(_live(live_peers, rank, world, WORLD_PAD, ELASTIC), r)
-        signal_add_to(peers + row * world, offset, to, 1, WORLD_PAD)
+        signal_add_to(peers + row * world, offset, to & ~_bit(remote, r), 1, WORLD_PAD)
+        far = bits_of(to) & remote
         _stamp(stamps, STAMP_SIGNALED, TIMING)
+    return far
+
+
+@triton.jit
+def _put_span(peers, row, rank, r, world, offset, count, dtype: tl.constexpr):
+    """Put `count` elements of buffer `row` from `offset` on: from this rank's staging for rank r (its
+    peer-table entry) to the same place of rank r's buffer (this rank's own address of it: symmetric)."""
+    source = _peer(peers, row, r, world, dtype) + offset
+    putmem_nbi_block(_peer(peers, row, rank, world, dtype) + offset, source, count * (dtype.primitive_bitwidth // 8), r)
+
+
+@triton.jit
+def _signal_by_puts(peers, row, offset, far, echo_addr, rank, world, stamps, TIMING: tl.constexpr):
+    """Add 1 to word `offset` of buffer `row` on each rank of `far` (bits), after everything this rank
+    put to it before: a put of this rank's echo word (a symmetric int64 [world] nobody reads) with a signal.
+    One call for the program: a signal alone (signal_op) would be made by every thread."""
+    echo = echo_addr.to(tl.pointer_type(tl.int64)) + rank
+    flag = _peer(peers, row, rank, world, tl.int64) + offset
+    for r in range(world):
+        if _bit(far, r):
+            putmem_signal_nbi_block(echo, echo, 8, flag, 1, SIGNAL_ADD, r)
+    _stamp(stamps, STAMP_SIGNALED, TIMING)
+
+
+@triton.jit
+def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank, layout_chunks,
+                     CHUNK_IDS: tl.constexpr):
+    """Dispatch's metadata of a call, staged for each rank of `far` (bits), put to it (the rows went with
+    their work items): ids, weights, positions and offsets of the call's ids, counts, token count; then a
+    fence, which orders them before the signal that follows."""
+    ids = num_tokens * topk
+    meta = stage.to(tl.int64) * max_tokens * topk
+    for r in range(world):
+        if _bit(far, r):
+            if ids > 0:
+                _put_span(peers, D_IDS, rank, r, world, meta, ids, tl.int32)
+                _put_span(peers, D_WEIGHTS, rank, r, world, meta, ids, tl.float32)
+                _put_span(peers, D_POSITIONS, rank, r, world, meta, ids, tl.int32)
+                _put_span(peers, D_OFFSETS, rank, r, world, stage * layout_chunks * experts_per_rank,
+                          tl.cdiv(ids, CHUNK_IDS) * experts_per_rank, tl.int32)
+            _put_span(peers, D_COUNTS, rank, r, world, stage * experts_per_rank, experts_per_rank, tl.int32)
+            _put_span(peers, D_TOKENS, rank, r, world, stage, 1, tl.int32)
+    fence()
 
 
 @triton.jit
@@ -440,13 +501,15 @@ def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_token
 
 
 @triton.jit
-def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, world, max_tokens,
-                     hidden, topk, experts_per_rank, live,
-                     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr):
+def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, rank, world, max_tokens,
+                     hidden, topk, experts_per_rank, live, remote,
+                     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+                     PUTS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, chunk of BLOCK_GROUPS * GROUP columns):
     quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
     experts; with the first chunk, the token's ids to every rank and its weights to those ranks. Ranks
-    outside `live` (bits) get nothing."""
+    outside `live` (bits) get nothing. With PUTS, the chunk staged for a rank of `remote` (bits) is put to
+    it at once (its ids and weights go with the call's metadata: ``_put_call_layout``)."""
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
@@ -477,6 +540,14 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                 if FP8:
                     tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
                              mask=g < num_groups)
+                if PUTS:
+                    if _bit(remote, r):
+                        first = chunk * BLOCK_GROUPS
+                        _put_span(peers, D_DATA, rank, r, world, row * hidden + first * GROUP,
+                                  tl.minimum(hidden - first * GROUP, BLOCK_GROUPS * GROUP), payload.dtype)
+                        if FP8:
+                            _put_span(peers, D_SCALES, rank, r, world, row * num_groups + first,
+                                      tl.minimum(num_groups - first, BLOCK_GROUPS), tl.float32)
 
 
 @triton.jit
@@ -568,11 +639,11 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
 
 @triton.jit
 def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
-                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live,
-                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr):
+                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, PUTS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
     token's local experts, in fp32, k order, stored once into the source rank's combine buffer (for the
-    sources in `live`, bits).
+    sources in `live`, bits). With PUTS, a chunk staged for a source of `remote` (bits) is put to it at once.
 
     The token's k expert rows come in one [K_PAD, BLOCK_H] load, all in flight at once. A load per k
     (masked, into a running sum) compiled to loads issued one after another, each waiting for the one
@@ -605,6 +676,11 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
                 out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
                 row = (slot * world + rank).to(tl.int64) * max_tokens + t
                 tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
+                if PUTS:
+                    if _bit(remote, src):
+                        first = (item % chunks) * BLOCK_H
+                        _put_span(peers, C_DATA, rank, src, world, row * hidden + first,
+                                  tl.minimum(hidden - first, BLOCK_H), y_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -646,10 +722,12 @@ def dispatch_send_kernel(
     layout_ptr,                                              # int32 layout scratch of this slot (LAYOUT_*)
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     layout_blocks, layout_chunks,                            # layout programs; chunks of T_max * K ids
+    remote, echo_addr,                                       # ranks reached by puts (bits); echo int64 [world]
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    PUTS: tl.constexpr,
 ):
     """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
     [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, offsets [layout_chunks, E/world]
@@ -665,10 +743,14 @@ def dispatch_send_kernel(
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     elif ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
-                         stage, num_tokens, world, max_tokens, hidden, topk, experts_per_rank, live, FP8, GROUP,
-                         BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
-            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+                         stage, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote, FP8,
+                         GROUP, BLOCK_GROUPS, K_PAD, PUTS)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank,
+                         layout_chunks, CHUNK_IDS)
+        _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["layout_chunks"])
@@ -678,9 +760,10 @@ def dispatch_recv_kernel(
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
-    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks,
+    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks, remote, echo_addr,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    PUTS: tl.constexpr,
 ):
     """R = world * max_tokens rows per local expert."""
     status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
@@ -697,8 +780,10 @@ def dispatch_recv_kernel(
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
                              WORLD_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
-            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers,
+                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, D_FREED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -707,9 +792,9 @@ def combine_send_kernel(
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
     peers,                                                   # int64 [COMBINE_PEERS, world]
     freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
-    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
     BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
     arrived and freed counters [SLOTS, world] i64."""
@@ -718,9 +803,11 @@ def combine_send_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
-            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers,
+                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, C_ARRIVED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -730,9 +817,9 @@ def combine_recv_kernel(
     data_ptr, arrived_ptr,                                   # my combine staging, arrival counters
     peers,                                                   # int64 [COMBINE_PEERS, world]: the expert ranks' credits
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
-    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
     RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     status_ptr, use, ok, reached = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, arrived_ptr, live_peers,
                                           rank, world, 0, timeout_ns, TAG_COMBINE_ARRIVAL, False, WORLD_PAD, ELASTIC,
@@ -742,8 +829,10 @@ def combine_recv_kernel(
                             slot, world, max_tokens, hidden, topk, experts_per_rank,
                             _agree(agreed_ptr + slot, use, reached, ELASTIC), RECV_BLOCK_H, K_PAD, WORLD_PAD,
                             ELASTIC)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers, rank,
-            world, stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers,
+                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, C_FREED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
@@ -759,11 +848,12 @@ def dispatch_kernel(
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     layout_ptr,                                              # as in dispatch_send_kernel
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
-    layout_blocks, layout_chunks,
+    layout_blocks, layout_chunks, remote, echo_addr,
     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    PUTS: tl.constexpr,
 ):
     """dispatch_send_kernel then dispatch_recv_kernel in one launch: every program takes layout blocks
     and token items by program id, then all wait for the peers' rows and fan them out."""
@@ -777,10 +867,14 @@ def dispatch_kernel(
                          topk, experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE, CHUNK_IDS,
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     if ok:
-        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, world, max_tokens, hidden,
-                         topk, experts_per_rank, live, FP8, GROUP, BLOCK_GROUPS, K_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
-            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, rank, world, max_tokens,
+                         hidden, topk, experts_per_rank, live, remote, FP8, GROUP, BLOCK_GROUPS, K_PAD, PUTS)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
+                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank,
+                         layout_chunks, CHUNK_IDS)
+        _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
@@ -795,8 +889,10 @@ def dispatch_kernel(
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
                              WORLD_PAD)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
-            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
+    far = _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED,
+                  stage, live_peers, rank, world, remote, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, D_FREED, stage, far, echo_addr, rank, world, recv_stamps, TIMING)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -809,9 +905,9 @@ def combine_kernel(
     finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
-    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns,
+    num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
     BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
-    ELASTIC: tl.constexpr, TIMING: tl.constexpr,
+    ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
     status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
@@ -821,9 +917,11 @@ def combine_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
                             slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), BLOCK_H, K_PAD, WORLD_PAD)
-    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
-            stamps_ptr, WORLD_PAD, ELASTIC, TIMING)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
+    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
+                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, C_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
@@ -833,5 +931,7 @@ def combine_kernel(
                             hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached,
                                                                    ELASTIC),
                             RECV_BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
-    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED, stage,
-            live_peers, rank, world, recv_stamps, WORLD_PAD, ELASTIC, TIMING)
+    far = _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED,
+                  stage, live_peers, rank, world, remote, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, C_FREED, stage, far, echo_addr, rank, world, recv_stamps, TIMING)
