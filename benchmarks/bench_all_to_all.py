@@ -482,7 +482,7 @@ def main():
                           crossover="measure the eager crossover of the decode and prefill tiles on an object for "
                                     "the largest --tokens (EPAllToAll.measure_crossover)",
                           puts="also time the put path (every peer through NVSHMEM puts: puts='all') beside the "
-                               "pointer path",
+                               "pointer path (on 2+ ranks)",
                           **{"one-object": "time every setting on objects sized for the largest --tokens"})
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
@@ -504,7 +504,8 @@ def main():
     for tokens, iters, full, with_breakdown in plan:   # results are written as they come: a cut run keeps them
         with Progress(f"{tokens} tokens per rank") as p:
             max_tokens = max(tokens, *args.tokens) if args.one_object else tokens
-            row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"], args.puts, p)
+            row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"],
+                          args.puts and world > 1, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         if rank == 0:
@@ -523,7 +524,7 @@ def main():
                 f"\n{deepep}\n")
         if any("deepep_mode" in row for row in rows):
             text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
-        if args.puts:
+        if any("put_dispatch_graph_us" in row for row in rows):
             text += (f"\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and "
                      f"its time over theirs:\n\n{markdown_table(rows, PUT_COLUMNS, '.2f')}\n")
         if args.crossover:

@@ -19,7 +19,8 @@
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
 # deepep      DeepEP's build (its V1 source in .deepep/, with .deepep/build.sh) and its benchmark beside ours
-# bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200);
+# bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200; EP's
+#             with the put path beside the pointer path, which one GPU, a world of one, does not time);
 # bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
 #
 # With one GPU the multi-rank tests run in shared-GPU mode (2 and 4 ranks unless MOE_EP_TEST_WORLDS says
@@ -225,7 +226,7 @@ for part in $parts; do
                step tutorial06 180 bash launch.sh --nproc 4 tutorials/06-elastic-ep.py ;;
     sweep8) step pytest_sweep8 540 env MOE_EP_TEST_WORLDS=8 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py \
               -k sweep ;;
-    bench_ep) step bench_all_to_all 150 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" ;;
+    bench_ep) step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts ;;
     bench_moe) step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     bench_gemm) step bench_gemm 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out "$out" ;;
     bench_tp) step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
