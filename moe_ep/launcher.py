@@ -112,7 +112,36 @@ class BoundKernel:
             grid = self.grid if programs is None else min(programs, self.grid)
             self.fn[(grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
             return
-        args, key = self._template.copy(), []       # key: what each value's specialization depends on, flat
+        args, key = self._arguments(values)
+        found = self._compiled.get(key)
+        if found is None:
+            found = self._compiled[key] = self._compile(dict(zip(self.varying, values)))
+        compiled, grid = found
+        if programs is not None and programs < grid:
+            grid = programs
+        stream = torch._C._cuda_getCurrentRawStream(self._device)
+        on_enter, on_exit = launch_hooks()
+        metadata = compiled.launch_metadata((grid, 1, 1), stream, *args) if on_enter is not None else None
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata, on_enter, on_exit,
+                     *args)
+
+    def prepare(self, *values) -> None:
+        """Compile (without launching) what a call with these values of `varying` launches, if it is new:
+        for a kernel that links NVSHMEM's device library, whose module NVSHMEM cannot initialize while a
+        stream is being captured into a CUDA graph, ahead of a capture that will launch it."""
+        if not INTERPRETING:
+            key = self.key(values)
+            if key not in self._compiled:
+                self._compiled[key] = self._compile(dict(zip(self.varying, values)))
+
+    def key(self, values) -> tuple:
+        """The specialization key a call with these values of `varying` selects."""
+        return self._arguments(values)[1]
+
+    def _arguments(self, values) -> tuple[list, tuple]:
+        """Every argument of a call with these values of `varying`, as the compiled launcher takes them, and the
+        specialization key they select: what each value's specialization depends on, flat."""
+        args, key = self._template.copy(), []
         for position, keyed, value in zip(self._positions, self._keyed, values):
             if isinstance(value, torch.Tensor):
                 address = value.data_ptr()
@@ -125,17 +154,7 @@ class BoundKernel:
                 key.append(value == 1)
                 key.append(value % 16 == 0)
             args[position] = value
-        found = self._compiled.get(tuple(key))
-        if found is None:
-            found = self._compiled[tuple(key)] = self._compile(dict(zip(self.varying, values)))
-        compiled, grid = found
-        if programs is not None and programs < grid:
-            grid = programs
-        stream = torch._C._cuda_getCurrentRawStream(self._device)
-        on_enter, on_exit = launch_hooks()
-        metadata = compiled.launch_metadata((grid, 1, 1), stream, *args) if on_enter is not None else None
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata, on_enter, on_exit,
-                     *args)
+        return args, tuple(key)
 
     def _compile(self, arguments: dict):
         """The compiled kernel for these values of `varying` (compiling it if new), loaded, and its grid."""

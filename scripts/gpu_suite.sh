@@ -173,7 +173,7 @@ for part in $parts; do
         tests/test_matmul.py tests/test_quant.py tests/test_moe_layer.py -m "not gpu" \
         --and-then pytest_shmem 300 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_shmem_gpu.py
-      lane pytest_ep 420 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
+      lane pytest_ep 480 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
         -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py tests/test_moe_layer.py tests/test_quant.py \
         --and-then engine_tests 240
       lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py \

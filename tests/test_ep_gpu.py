@@ -108,7 +108,7 @@ def _prefill_sized(rank, world, puts="auto"):
     bound with the prefill tiles (a second, partly masked chunk of a 7168-column row), "decode" the one
     launch at any size; ranks mix the modes in one call. The object's layout sorts chunks of 1024 ids; calls
     of at most 128 tokens compare theirs instead (at 150, ranks of 150 tokens sort, ranks of 50 compare)."""
-    max_tokens = ONE_LAUNCH_TOKENS + 88
+    max_tokens = 600
     ep = EPAllToAll(max_tokens, 7168, 64, 8, puts=puts)
     for i, tokens in enumerate([max_tokens, 0, ONE_LAUNCH_TOKENS + 1, 17, max_tokens, 300, 150]):
         counts = [max(tokens - 100, 0) if (i + r) % 2 else tokens for r in range(world)]

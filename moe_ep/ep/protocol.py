@@ -202,6 +202,7 @@ class KernelProtocol(EPProtocol):
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}     # (buffer, slot, tokens) -> a call's rows
         self._shapes: dict[int, CallShape] = {}           # tokens -> call_shape(tokens), made once
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
+        self._ready: set = set()                          # with puts: the calls whose every kernel is compiled
 
     def peer_paths(self) -> list[str]:
         """How this rank reaches each rank: "local" (itself), "nvlink" (stores through a peer pointer) or
@@ -320,9 +321,45 @@ class KernelProtocol(EPProtocol):
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
+    def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
+        """With puts, before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these
+        (both tiles, one launch and two), once, so that a CUDA graph captured later compiles none. Their
+        modules link NVSHMEM, which cannot initialize one while a stream is being captured."""
+        if capturing(self.device):
+            return
+        tokens = x.shape[0]
+        values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
+        key = ("dispatch", slot, self._dispatch_send[slot].key(values))
+        if key in self._ready:
+            return
+        sends = [self._dispatch_send[slot], self._prefill[0][slot]]
+        if self.one_launch:
+            sends.append(self._dispatch[slot])
+        for kernel in sends:
+            kernel.prepare(*values)
+        self._dispatch_recv[slot].prepare()
+        self._prefill[1][slot].prepare()
+        self._ready.add(key)
+
+    def _ready_combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
+        """With puts, before an eager combine without a hook: its send and receive kernels compiled too
+        (``_ready_dispatch``)."""
+        if capturing(self.device):
+            return
+        receive = (out, topk_ids, num_tokens)
+        key = ("combine", slot, dispatch_slot, self._combine_send[slot, dispatch_slot].key((expert_out,)),
+               self._combine_recv[slot, dispatch_slot].key(receive))
+        if key in self._ready:
+            return
+        self._combine_send[slot, dispatch_slot].prepare(expert_out)
+        self._combine_recv[slot, dispatch_slot].prepare(*receive)
+        self._ready.add(key)
+
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
+        if self.remote:
+            self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
         tokens = x.shape[0]
         prefill = self._prefill_tiles(tokens, mode)
         if self.one_launch and not prefill:
@@ -337,6 +374,8 @@ class KernelProtocol(EPProtocol):
         Returns y: `out`, or without it (None) the view ``combined`` makes."""
         if out is None:
             out = self.combined(slot, num_tokens)
+        if self.remote:
+            self._ready_combine(slot, dispatch_slot, expert_out, out, topk_ids, num_tokens)
         if not self.one_launch:
             self.combine_send(slot, dispatch_slot, expert_out)
             self.combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)
@@ -347,6 +386,8 @@ class KernelProtocol(EPProtocol):
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
+        if self.remote:
+            self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
         self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode))
 
     def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool) -> None:

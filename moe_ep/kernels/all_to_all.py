@@ -74,7 +74,8 @@ every peer where puts are forced, is reached through NVSHMEM's puts and signals,
 whatever transport NVSHMEM was started with. Its peer-table entries point into this rank's own
 staging copy of each buffer (shifted so that the same offsets land in row block [slot, peer]), so
 the kernels store for it exactly as for a pointer peer; then each work item puts the rows it staged
-(``_put_span``: non-blocking, one put per row chunk and peer), every program completes its puts
+(``_put_span``: non-blocking, one put per row chunk and peer; the rows' scales go with the call's
+metadata), every program completes its puts
 (``quiet``) before it counts itself finished, and the last one puts the call's small metadata
 (``_put_call_layout``), fences, and signals each such peer with a put whose signal adds 1
 (``_signal_by_puts``): NVSHMEM delivers the signal after its own put, and the fence orders the
@@ -315,16 +316,21 @@ def _signal_by_puts(peers, row, offset, far, echo_addr, rank, world, stamps, TIM
 
 
 @triton.jit
-def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank, layout_chunks,
-                     CHUNK_IDS: tl.constexpr):
+def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                     layout_chunks, FP8: tl.constexpr, GROUP: tl.constexpr, CHUNK_IDS: tl.constexpr):
     """Dispatch's metadata of a call, staged for each rank of `far` (bits), put to it (the rows went with
-    their work items): ids, weights, positions and offsets of the call's ids, counts, token count; then a
-    fence, which orders them before the signal that follows."""
+    their work items): the FP8 scales of the call's rows (one put, where a put per row chunk would be a
+    message of a few dozen bytes), ids, weights, positions and offsets of the call's ids, counts, token
+    count; then a fence, which orders them before the signal that follows."""
     ids = num_tokens * topk
     meta = stage.to(tl.int64) * max_tokens * topk
+    groups = hidden // GROUP
     for r in range(world):
         if _bit(far, r):
             if ids > 0:
+                if FP8:
+                    _put_span(peers, D_SCALES, rank, r, world, stage.to(tl.int64) * max_tokens * groups,
+                              num_tokens * groups, tl.float32)
                 _put_span(peers, D_IDS, rank, r, world, meta, ids, tl.int32)
                 _put_span(peers, D_WEIGHTS, rank, r, world, meta, ids, tl.float32)
                 _put_span(peers, D_POSITIONS, rank, r, world, meta, ids, tl.int32)
@@ -509,7 +515,7 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
     quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
     experts; with the first chunk, the token's ids to every rank and its weights to those ranks. Ranks
     outside `live` (bits) get nothing. With PUTS, the chunk staged for a rank of `remote` (bits) is put to
-    it at once (its ids and weights go with the call's metadata: ``_put_call_layout``)."""
+    it at once (its scales, ids and weights go with the call's metadata: ``_put_call_layout``)."""
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
@@ -542,12 +548,9 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                              mask=g < num_groups)
                 if PUTS:
                     if _bit(remote, r):
-                        first = chunk * BLOCK_GROUPS
-                        _put_span(peers, D_DATA, rank, r, world, row * hidden + first * GROUP,
-                                  tl.minimum(hidden - first * GROUP, BLOCK_GROUPS * GROUP), payload.dtype)
-                        if FP8:
-                            _put_span(peers, D_SCALES, rank, r, world, row * num_groups + first,
-                                      tl.minimum(num_groups - first, BLOCK_GROUPS), tl.float32)
+                        first = chunk * BLOCK_GROUPS * GROUP
+                        _put_span(peers, D_DATA, rank, r, world, row * hidden + first,
+                                  tl.minimum(hidden - first, BLOCK_GROUPS * GROUP), payload.dtype)
 
 
 @triton.jit
@@ -748,8 +751,8 @@ def dispatch_send_kernel(
     far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
                   remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
-        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank,
-                         layout_chunks, CHUNK_IDS)
+        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         layout_chunks, FP8, GROUP, CHUNK_IDS)
         _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
 
@@ -872,8 +875,8 @@ def dispatch_kernel(
     far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
                   remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
-        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, topk, experts_per_rank,
-                         layout_chunks, CHUNK_IDS)
+        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         layout_chunks, FP8, GROUP, CHUNK_IDS)
         _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
