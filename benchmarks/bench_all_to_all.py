@@ -395,9 +395,8 @@ COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "di
            "combine_copy_floor_us", "combine_x_floor", "combine_eager_us", "combine_host_us", "combine_front_us",
            "combine_kernel_us", "nccl_combine_us", "reference_combine_us", "combine_speedup_vs_nccl",
            "dispatch_link_MB", "dispatch_link_GBps", "combine_link_MB", "combine_link_GBps"]
-PUT_COLUMNS = ["tokens"] + [f"{who}{op}_{how}_us" for op in ("dispatch", "combine") for how in ("graph", "eager")
-                            for who in ("", "put_")] + [f"puts_over_pointers_{op}_{how}" for op in ("dispatch", "combine")
-                                                       for how in ("graph", "eager")]
+PUT_COLUMNS = ["tokens"] + [f"{name}{op}_{how}{unit}" for op in ("dispatch", "combine") for how in ("graph", "eager")
+                            for name, unit in (("", "_us"), ("put_", "_us"), ("puts_over_pointers_", ""))]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
                                              for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
 

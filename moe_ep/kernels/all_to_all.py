@@ -342,6 +342,21 @@ def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hid
 
 
 @triton.jit
+def _dispatch_sent(finished, uses, use, ok, peers, stage, live_peers, rank, world, remote, echo_addr, stamps,
+                   num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8: tl.constexpr,
+                   GROUP: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr,
+                   TIMING: tl.constexpr, PUTS: tl.constexpr):
+    """The end of dispatch's send phase: ``_finish`` signals the ranks a pointer reaches; with PUTS its last
+    program then puts the call's metadata to the others and signals them."""
+    far = _finish(finished, uses, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world, remote, stamps,
+                  WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         layout_chunks, FP8, GROUP, CHUNK_IDS)
+        _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps, TIMING)
+
+
+@triton.jit
 def _chunk(chunk, hidden, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
     """Chunk `chunk` of a row of `hidden` columns: its scale groups [BLOCK_GROUPS], its columns
     [BLOCK_GROUPS, GROUP] and their mask."""
@@ -748,12 +763,9 @@ def dispatch_send_kernel(
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
                          stage, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote, FP8,
                          GROUP, BLOCK_GROUPS, K_PAD, PUTS)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
-                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                         layout_chunks, FP8, GROUP, CHUNK_IDS)
-        _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
+                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8,
+                   GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS + ["layout_chunks"])
@@ -872,12 +884,9 @@ def dispatch_kernel(
     if ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, rank, world, max_tokens,
                          hidden, topk, experts_per_rank, live, remote, FP8, GROUP, BLOCK_GROUPS, K_PAD, PUTS)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world,
-                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                         layout_chunks, FP8, GROUP, CHUNK_IDS)
-        _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
+                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8,
+                   GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
