@@ -96,6 +96,12 @@ class PayloadFormat:
     tensor_scale: bool = False            # one float32 per tensor multiplies every group's scale (nvfp4)
 
     @property
+    def scale_storage(self) -> torch.dtype | None:
+        """The dtype buffers and kernels hold the scales in: ``scale_dtype``, but uint8 (the same bytes) for
+        float8_e8m0fnu, which Triton has no type for and torch can neither index-assign nor compare."""
+        return torch.uint8 if self.scale_dtype == torch.float8_e8m0fnu else self.scale_dtype
+
+    @property
     def hidden_multiple(self) -> int:
         """What H must be a multiple of: the columns of one scales item (one payload item without scales)."""
         return self.group * self.scale_pack if self.group else self.element_pack

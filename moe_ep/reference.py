@@ -11,7 +11,8 @@ Expert-parallel dispatch/combine contract (``moe_ep.EPAllToAll``), world W, expe
 E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)):
 
 dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K]):
-    * FP8: each token is quantized per `group` columns with ``quantize_fp8``.
+    * FP8: each token is quantized per `group` columns with ``quantize_fp8``; with a payload format
+      (``moe_ep.formats``), by its ``quantize``, scales of its dtype (float32, packed UE8M0 int32, e8m0).
     * each token is sent once to every rank owning at least one of its experts
       (ids of -1 are dropped slots and go nowhere);
     * the receiver lays the rows out expert-major: recv_x [E_loc, W * T_max, H], rows of
@@ -105,9 +106,13 @@ class ReferenceHandle:
     recv_src: torch.Tensor         # [E_loc, W * T_max] int32, (src * T_max + t) * K + k, -1 if unused
 
 
-def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp8_group: int | None,
-             group=None):
-    """Returns (recv_x, recv_scales or None, recv_count [E_loc] int32, ReferenceHandle)."""
+def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp8_group: int | None = None,
+             group=None, payload=None):
+    """Returns (recv_x, recv_scales or None, recv_count [E_loc] int32, ReferenceHandle).
+
+    payload: a ``moe_ep.formats.PayloadFormat`` (taken as given, not imported: its ``quantize`` is the
+    definition), in place of fp8_group; recv_x and recv_scales then have its payload_dtype and scale_dtype
+    (recv_scales None without scales)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts_per_rank = num_experts // world
     tokens, hidden = x.shape
@@ -115,11 +120,20 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     device = x.device
     ids = topk_ids.long()
 
-    if fp8_group:
+    fmt = payload
+    if fmt is not None and fp8_group:
+        raise ValueError(f"pass fp8_group={fp8_group} or payload={fmt.name!r}, not both")
+    if fmt is not None and fmt.group:
+        payload, scales = fmt.quantize(x)
+    elif fp8_group:
         payload, scales = quantize_fp8(x, fp8_group)
-        scale_shape = (hidden // fp8_group,)
     else:
-        payload, scales, scale_shape = x, torch.empty(tokens, 0, device=device), (0,)
+        payload, scales = x, None
+    # The scales travel and are laid out as their bytes [T, G * itemsize] (torch indexes no float8_e8m0fnu).
+    scale_dtype = None if scales is None else scales.dtype
+    scales = (torch.empty(tokens, 0, dtype=torch.uint8, device=device) if scales is None
+              else scales.contiguous().view(torch.uint8))
+    scale_shape = scales.shape[1:]
 
     dest = torch.where(ids >= 0, ids // experts_per_rank, -1)
     routed = (dest[:, :, None] == torch.arange(world, device=device)).any(1)       # [T, W]
@@ -133,7 +147,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     rows = _rows_to_bytes(payload, scales, ids.int(), topk_weights.float(), token_index)[send_token]
     received = _exchange_rows(rows, send_counts, recv_counts, group)
     r_payload, r_scales, r_ids, r_weights, r_token = _bytes_to_rows(received, [
-        (payload.dtype, (hidden,)), (torch.float32, scale_shape), (torch.int32, (topk,)),
+        (payload.dtype, (hidden,)), (torch.uint8, scale_shape), (torch.int32, (topk,)),
         (torch.float32, (topk,)), (torch.int32, ())])
     r_src = torch.repeat_interleave(torch.arange(world, device=device), torch.tensor(recv_counts, device=device))
 
@@ -152,10 +166,10 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     recv_x = torch.empty((experts_per_rank, rows_per_expert, hidden), dtype=payload.dtype, device=device)
     recv_x[entry_expert, entry_pos] = r_payload[entry_row]
     recv_scales = None
-    if fp8_group:
-        recv_scales = torch.empty((experts_per_rank, rows_per_expert, hidden // fp8_group),
-                                  dtype=torch.float32, device=device)
+    if scale_dtype is not None:
+        recv_scales = torch.empty((experts_per_rank, rows_per_expert, *scale_shape), dtype=torch.uint8, device=device)
         recv_scales[entry_expert, entry_pos] = r_scales[entry_row]
+        recv_scales = recv_scales.view(scale_dtype)
     recv_src = torch.full((experts_per_rank, rows_per_expert), -1, dtype=torch.int32, device=device)
     source = (r_src[entry_row] * max_tokens + r_token[entry_row].long()) * topk + entry_k
     recv_src[entry_expert, entry_pos] = source.int()

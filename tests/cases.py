@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from moe_ep.formats import PayloadFormat
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 from moe_ep.routing import random_topk
 
@@ -42,9 +43,25 @@ def moe_layer_inputs(rank, tokens, topk, drop, experts, hidden, intermediate, dt
     return [t.to(device, dtype) for t in (w13, w2, x)] + [ids.to(device), weights.to(device)]
 
 
+def quantize(x, group):
+    """x [T, H] as dispatch sends it: (payload, scales or None). group: the FP8 group (None: x as it is) or a
+    PayloadFormat (its ``quantize``)."""
+    if isinstance(group, PayloadFormat):
+        return group.quantize(x)
+    return quantize_fp8(x, group) if group else (x, None)
+
+
+def dequantize(payload, scales, group):
+    """float32 of what ``quantize`` made (group as there)."""
+    if isinstance(group, PayloadFormat):
+        return group.dequantize(payload, scales)
+    return payload.float() if scales is None else dequantize_fp8(payload, scales, group)
+
+
 def expert_fn(recv_x, recv_scales, group, dtype):
-    """A toy expert: dequantize and scale each local expert e by (e + 1) / 2, in `dtype`."""
-    rows = recv_x.float() if recv_scales is None else dequantize_fp8(recv_x, recv_scales, group)
+    """A toy expert: dequantize (group: the FP8 group or a PayloadFormat, as ``quantize``) and scale each local
+    expert e by (e + 1) / 2, in `dtype`."""
+    rows = dequantize(recv_x, recv_scales, group)
     factor = (torch.arange(rows.shape[0], device=rows.device, dtype=torch.float32) + 1) / 2
     return (rows * factor[:, None, None]).to(dtype)
 
@@ -57,11 +74,12 @@ def on_ranks(ids, ranks, num_experts, world):
 
 
 def expected_dispatch(rank, world, inputs, num_experts, max_tokens, group):
-    """Per local expert: list of (payload row, scales row or None, source code) in contract order."""
+    """Per local expert: list of (payload row, scales row or None, source code) in contract order (group as
+    ``quantize``)."""
     experts_per_rank = num_experts // world
     expected = [[] for _ in range(experts_per_rank)]
     for src, (x, ids, _) in enumerate(inputs):
-        payload, scales = quantize_fp8(x, group) if group else (x, None)
+        payload, scales = quantize(x, group)
         for t in range(x.shape[0]):
             for k in range(ids.shape[1]):
                 e = int(ids[t, k])
@@ -75,8 +93,7 @@ def expected_combine(rank, world, inputs, num_experts, group, dtype):
     """y [T, H] for `rank`: per-rank fp32 sums in k order, cast, then summed in rank order."""
     x, ids, weights = inputs[rank]
     experts_per_rank = num_experts // world
-    payload, scales = quantize_fp8(x, group) if group else (x, None)
-    tokens = payload.float() if scales is None else dequantize_fp8(payload, scales, group)
+    tokens = dequantize(*quantize(x, group), group)
     y = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         for r in range(world):

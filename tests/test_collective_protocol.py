@@ -10,6 +10,7 @@ from distributed import run
 from moe_ep import EPAllToAll, reference
 from moe_ep.ep.collective import CollectiveProtocol, RowFormat, index_dtype
 from moe_ep.ep.protocol import EPConfig
+from moe_ep.formats import FORMATS, format_of
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Case:
     weights_dtype: torch.dtype = torch.float32
     ids_dtype: torch.dtype = torch.int64
     unchecked_ids: bool = False      # validate=False, with ids out of range and repeated within a token
+    payload: str | None = None       # a payload format by name, in place of fp8_group
 
 
 CASES = [
@@ -36,6 +38,8 @@ CASES = [
     Case((3, 9, 1, 6), 64, 12, 2, None, torch.float16, weights_dtype=torch.bfloat16),
     Case((2, 4, 4, 0), 128, 12, 4, 32, drop=1.0),                                # every slot dropped
     Case((5, 2, 6, 3), 64, 24, 6, 64, torch.float16, 0.2, unchecked_ids=True),
+    Case((3, 2, 4, 1), 512, 12, 2, None, payload="fp8_ue8m0"),                  # packed UE8M0 scales
+    Case((2, 5, 0, 3), 128, 24, 3, None, torch.float16, 0.2, payload="mxfp8"),  # e8m0 scales
 ]
 
 
@@ -63,21 +67,24 @@ def _compare(rank, world, cases, seed):
         calls = [_inputs(case, rank, world, seed + call) for call in range(2)]
         max_tokens = calls[0][3]
         ep = EPAllToAll(max_tokens, case.hidden, case.experts, case.topk, dtype=case.dtype,
-                        fp8_dispatch=case.fp8_group is not None, fp8_group=case.fp8_group or 128,
-                        backend="reference", validate=not case.unchecked_ids)
+                        fp8_dispatch=case.fp8_group is not None or case.payload is not None,
+                        fp8_group=case.fp8_group or 128,
+                        backend="reference", validate=not case.unchecked_ids, payload=case.payload)
+        payload = FORMATS[case.payload] if case.payload else None
         assert isinstance(ep.protocol, CollectiveProtocol)
         outs = [ep.dispatch(x, ids, weights) for x, ids, weights, _ in calls]
         oracles = [reference.dispatch(x, ids, weights, num_experts=case.experts, max_tokens=max_tokens,
-                                      fp8_group=case.fp8_group) for x, ids, weights, _ in calls]
+                                      fp8_group=case.fp8_group, payload=payload) for x, ids, weights, _ in calls]
         g = torch.Generator().manual_seed(seed * 31 + rank)
         for (x, *_), (recv_x, recv_scales, recv_count, handle), (r_x, r_scales, r_count, r_handle) in zip(
                 calls, outs, oracles):
             assert recv_count.dtype == torch.int32 and torch.equal(recv_count, r_count), case
             assert recv_x.dtype == r_x.dtype and recv_x.shape == r_x.shape
-            assert (recv_scales is None) == (case.fp8_group is None)
+            assert (recv_scales is None) == (r_scales is None) == (case.fp8_group is None and payload is None)
+            assert recv_scales is None or recv_scales.dtype == r_scales.dtype
             for e, count in enumerate(recv_count.tolist()):
                 assert torch.equal(_bits(recv_x[e, :count]), _bits(r_x[e, :count])), (case, e)
-                if case.fp8_group:
+                if recv_scales is not None:
                     assert torch.equal(_bits(recv_scales[e, :count]), _bits(r_scales[e, :count])), (case, e)
             assert torch.equal(handle.recv_src, r_handle.recv_src), case
 
@@ -102,7 +109,7 @@ def test_row_format():
     assert [index_dtype(b) for b in (1, 128, 129, 32768, 32769)] == \
         [torch.int8, torch.int8, torch.int16, torch.int16, torch.int32]
     config = EPConfig(world=2, rank=0, max_tokens=300, hidden=64, num_experts=4, topk=3, dtype=torch.bfloat16,
-                      fp8_group=32, timeout_s=1.0, validate=True, timing=False)
+                      payload=format_of(True, 32, torch.bfloat16), timeout_s=1.0, validate=True, timing=False)
     fmt = RowFormat.of(config)
     assert fmt.nbytes == 64 + 2 * 4 + 3 * 4 + 2 + 3
     for rows in (0, 1, 5):

@@ -17,14 +17,19 @@ from moe_ep import CommTimeoutError, EPAllToAll, launcher
 from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
 from moe_ep.ep import low_latency, protocol
 from moe_ep.ep.protocol import MODES
+from moe_ep.formats import FORMATS, PayloadFormat
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
 
 
-def simulated_world(world, max_tokens, hidden, experts, topk, fp8_group, timing=False, puts="auto", nodes=1):
-    return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=fp8_group is not None,
-                                fp8_group=fp8_group or 128, timing=timing, puts=puts, nodes=nodes)
+def simulated_world(world, max_tokens, hidden, experts, topk, group, timing=False, puts="auto", nodes=1):
+    """group: the FP8 group (None: no FP8) or a PayloadFormat, as ``cases.quantize`` takes it."""
+    if isinstance(group, PayloadFormat):
+        return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, timing=timing, puts=puts, nodes=nodes,
+                                    payload=group)
+    return EPAllToAll.simulated(world, max_tokens, hidden, experts, topk, fp8_dispatch=group is not None,
+                                fp8_group=group or 128, timing=timing, puts=puts, nodes=nodes)
 
 
 # world, tokens per rank (three calls), hidden, experts, topk, fp8 group, drop, one expert
@@ -93,6 +98,55 @@ def test_peer_paths_and_a_put_peer_that_never_sends():
         ranks[0].check()
 
 
+# world, tokens per rank (three calls), hidden, experts, topk, drop: the worlds every payload format runs in
+FORMAT_WORLDS = [(2, [(3, 5), (0, 4), (6, 6)], 8, 2, 0.0), (3, [(2, 0, 3), (4, 4, 1), (0, 0, 2)], 6, 4, 0.25)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8_ue8m0", "mxfp8"])
+@pytest.mark.parametrize("world", range(len(FORMAT_WORLDS)))
+def test_payload_formats_in_the_interpreter(name, world):
+    """Each payload format dispatch applies (EPAllToAll(payload=...)): payload and scales bytes, and the
+    combine of experts fed with the format's dequantize, bit for bit against the oracle's (PayloadFormat's
+    torch quantize). H is the least the format allows above 128 (512 for fp8_ue8m0: four groups an int32)."""
+    fmt = FORMATS[name]
+    world, calls, experts, topk, drop = FORMAT_WORLDS[world]
+    check_calls(world, calls, max(256, fmt.hidden_multiple), experts, topk, fmt, drop, None)
+
+
+@pytest.mark.parametrize("name,columns", [("mxfp8", 64), ("fp8_ue8m0", 512)])
+def test_payload_formats_over_column_chunks_and_puts(name, columns, monkeypatch):
+    """The UE8M0 formats with rows cut into several work items (decode tiles of `columns` columns, prefill
+    tiles of twice that: each chunk's scales items land at their own place) and every peer reached by puts
+    (their scales put with the call's metadata, items of their storage type)."""
+    monkeypatch.setattr(low_latency, "CHUNK_COLUMNS", columns)
+    monkeypatch.setattr(low_latency, "PREFILL_CHUNK_COLUMNS", 2 * columns)
+    world, calls, experts, topk, drop = FORMAT_WORLDS[1]
+    check_calls(world, calls, 4 * columns, experts, topk, FORMATS[name], drop, None, puts="all")
+
+
+def test_payload_format_refusals():
+    """nvfp4 is refused by name with the formats dispatch supports; a payload and fp8 flags that disagree
+    name both; an unscaled format must be x's dtype; hidden must hold whole scales items."""
+    with pytest.raises(ValueError, match="payload format 'nvfp4' is not yet supported by dispatch; supported: "
+                                         "bf16, fp16, fp32, fp8, fp8_ue8m0, mxfp8"):
+        simulated_world(2, 4, 256, 4, 2, FORMATS["nvfp4"])
+    with pytest.raises(ValueError, match="payload='mxfp8' disagrees with fp8_dispatch=False, fp8_group=128"):
+        EPAllToAll.simulated(2, 4, 256, 4, 2, fp8_dispatch=False, payload="mxfp8")
+    with pytest.raises(ValueError, match="payload='fp8' disagrees with fp8_dispatch=True, fp8_group=64"):
+        EPAllToAll.simulated(2, 4, 256, 4, 2, fp8_group=64, payload="fp8")
+    with pytest.raises(ValueError, match="payload must be one of"):
+        EPAllToAll.simulated(2, 4, 256, 4, 2, payload="int8")
+    with pytest.raises(ValueError, match="payload format 'fp32' sends x as it is, and dtype is torch.bfloat16"):
+        EPAllToAll.simulated(2, 4, 256, 4, 2, payload="fp32")
+    with pytest.raises(ValueError, match="format 'fp8_ue8m0': hidden=256 is not a multiple of 512"):
+        EPAllToAll.simulated(2, 4, 256, 4, 2, payload="fp8_ue8m0")
+    ep = EPAllToAll.simulated(1, 4, 256, 4, 2, fp8_dispatch=False, payload="bf16")[0]   # flags that agree
+    assert ep.payload is FORMATS["bf16"] and ep.fp8_group is None
+    ep = EPAllToAll.simulated(1, 4, 256, 4, 2, fp8_group=32, payload="mxfp8")[0]
+    assert ep.payload is FORMATS["mxfp8"] and ep.fp8_group == 32
+    assert EPAllToAll.simulated(1, 4, 256, 4, 2)[0].payload is FORMATS["fp8"]
+
+
 def check_calls(world, calls, hidden, experts, topk, group, drop, one_expert, puts="auto", nodes=1):
     """Dispatch and combine of every call in `calls` (tokens per rank), each rank's results bit for bit
     against the oracle's."""
@@ -118,8 +172,8 @@ def check_calls(world, calls, hidden, experts, topk, group, drop, one_expert, pu
             for e, rows in enumerate(expected):
                 for i, (payload, scales, source) in enumerate(rows):
                     assert torch.equal(recv_x[e, i].view(torch.uint8), payload.view(torch.uint8)), (call, r, e, i)
-                    if group:
-                        assert torch.equal(recv_scales[e, i], scales)
+                    if scales is not None:
+                        assert torch.equal(recv_scales[e, i].view(torch.uint8), scales.view(torch.uint8))
                     assert int(handle.recv_src[e, i]) == source, (call, r, e, i)
             expert_outs.append(expert_fn(recv_x, recv_scales, group, torch.bfloat16))
         given = [None if call % 2 else torch.full(inputs[r][0].shape, 7.0, dtype=torch.bfloat16)

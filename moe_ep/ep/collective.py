@@ -7,14 +7,14 @@ What one call moves from each rank to each rank:
     dispatch  counts  int32 [1 + K]: the rows that follow, then per k the slots routed to the receiver's experts
                       (so that combine groups its sums by k without waiting for the host)
               rows    one per (token, receiving rank) the token is routed to, packed as ``RowFormat`` lays it out:
-                      the payload (FP8 with its fp32 scales, or x's dtype), the token's K weights (fp32), its
+                      the payload (its format's elements and scales, or x's dtype), the token's K weights (fp32), its
                       index and its K expert ids as the receiver numbers its own (-1 for a slot elsewhere), the
                       two in the narrowest integer type that holds them
     combine   rows    one per (token, rank) back: that rank's weighted sum over its experts, in x's dtype
 
 Dispatch waits for the host once, for the counts; every index after that is computed on the device with
 sizes the host already holds, and combine does not wait at all. The results are ``moe_ep.reference``'s
-contract, bit for bit: the FP8 formula of ``kernels.quant`` (``quantize_rows_fp8``), expert-major rows in
+contract, bit for bit: the payload format's formula (``PayloadFormat.quantize``), expert-major rows in
 (source rank, token, k) order, the expert rank's sums in fp32 in k order cast to x's dtype, and the source's
 sums of those in rank order in fp32.
 
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import all_to_all_single
-from ..kernels.quant import quantize_rows_fp8
 from .protocol import EPConfig, EPProtocol, EPResources
 
 
@@ -49,7 +48,7 @@ class RowFormat:
     @classmethod
     def of(cls, config: EPConfig) -> RowFormat:
         c = config
-        scales = (("scales", torch.float32, c.groups),) if c.fp8_group else ()
+        scales = (("scales", c.scale_dtype, c.groups),) if c.payload.group else ()
         return cls((("payload", c.payload_dtype, c.hidden), *scales, ("weights", torch.float32, c.topk),
                     ("token", index_dtype(c.max_tokens), 1), ("experts", index_dtype(c.experts_per_rank), c.topk)))
 
@@ -107,9 +106,10 @@ class CollectiveProtocol(EPProtocol):
                              f"found values in [{low}, {high}]")
 
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
-        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> outputs[slot] = (recv_x [E_loc, W * T_max, H] FP8 or
-        x's dtype, recv_scales [E_loc, W * T_max, H / fp8_group] fp32 or None, recv_count [E_loc] int32, recv_src
-        [E_loc, W * T_max] int32, -1 past each expert's rows), fresh tensors; what combine needs kept with them."""
+        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> outputs[slot] = (recv_x [E_loc, W * T_max, H] of the
+        payload's payload_dtype, recv_scales [E_loc, W * T_max, G] of its scale_dtype or None, recv_count [E_loc]
+        int32, recv_src [E_loc, W * T_max] int32, -1 past each expert's rows), fresh tensors; what combine needs
+        kept with them."""
         c, device = self.config, self.device
         per_rank, topk = c.experts_per_rank, c.topk
         ids = topk_ids.long()
@@ -127,9 +127,9 @@ class CollectiveProtocol(EPProtocol):
         send_rank, send_token = torch.nonzero_static(to_rank.t(), size=sum(send_splits)).unbind(1)
         mine = dest[send_token] == send_rank[:, None]
         local_ids = torch.where(mine, ids[send_token] - send_rank[:, None] * per_rank, -1)
-        if c.fp8_group:
-            payload, scales = quantize_rows_fp8(x, c.fp8_group)
-            scales = scales[send_token]
+        if c.payload.group:
+            payload, scales = c.payload.quantize(x)
+            scales = scales.view(c.scale_dtype)[send_token]
         else:
             payload, scales = x, None
         sent = self.format.pack(len(send_token), payload=payload[send_token], scales=scales,
@@ -150,9 +150,10 @@ class CollectiveProtocol(EPProtocol):
         recv_x = torch.empty(c.expert_rows, dtype=c.payload_dtype, device=device)
         recv_x[expert, position] = rows["payload"][row]
         recv_scales = None
-        if c.fp8_group:
-            recv_scales = torch.empty((*c.expert_rows[:2], c.groups), dtype=torch.float32, device=device)
+        if c.payload.group:
+            recv_scales = torch.empty((*c.expert_rows[:2], c.groups), dtype=c.scale_dtype, device=device)
             recv_scales[expert, position] = rows["scales"][row]
+            recv_scales = recv_scales.view(c.payload.scale_dtype)
         source = torch.repeat_interleave(self.ranks, peer_counts[:, 0], output_size=len(received))
         recv_src = torch.full(c.expert_rows[:2], -1, dtype=torch.int32, device=device)
         recv_src[expert, position] = ((source[row] * c.max_tokens + rows["token"][row, 0]) * topk + k).int()

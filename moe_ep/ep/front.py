@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..formats import FORMATS, FP8_GROUP, PayloadFormat, format_of
 from ..kernels import status
 from ..routing import random_topk
 from ..shmem import SimulatedHeap
@@ -88,6 +89,10 @@ PUTS = ("auto", "all")       # which peers the nvshmem backend reaches through p
 MAX_TOPK = 16
 MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word
 IDS_DTYPES = (torch.int32, torch.int64)
+# The payload formats dispatch applies (moe_ep.formats): elements one per payload item (not nvfp4's packed
+# e2m1, which the kernels do not quantize yet), scales none, float32 or UE8M0.
+DISPATCH_SCALES = ("none", "fp32", "ue8m0")
+DISPATCH_FORMATS = tuple(name for name, f in FORMATS.items() if f.scale in DISPATCH_SCALES and f.element_pack == 1)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -115,7 +120,8 @@ class EPAllToAll(runtime.CommObject):
 
     Args:
         max_tokens: most tokens any rank passes to one dispatch.
-        hidden: H; a multiple of ``fp8_group`` with FP8 dispatch, of 8 without.
+        hidden: H; a multiple of the payload's ``hidden_multiple`` (``fp8_group`` with FP8 dispatch, 512 for
+            "fp8_ue8m0"), of 8 without scales.
         num_experts: E, a multiple of the world size; rank r owns experts [r*E/W, (r+1)*E/W).
         topk: K, 1..16.
         group: the process group (NVSHMEM backend: NVSHMEM spans its ranks; one such group per process).
@@ -124,6 +130,13 @@ class EPAllToAll(runtime.CommObject):
             finite: an inf anywhere in a group of fp8_group columns makes the group's scale inf and every
             value of the group non-finite once dequantized; so does a NaN on the reference backend, whose
             maximum (torch's amax) propagates it (the kernels' maximum skips it).
+        fp8_group: columns per float32 scale of FP8 dispatch, a power of two >= 16.
+        payload: the payload format (``moe_ep.formats``), by name or as a ``PayloadFormat``: one of
+            DISPATCH_FORMATS ("bf16", "fp16", "fp32": x's own dtype; "fp8"; "fp8_ue8m0": e4m3 with a
+            power-of-two scale per 128 columns, four UE8M0 bytes in an int32, DeepGEMM's packed scales;
+            "mxfp8": e4m3 with a UE8M0 scale per 32, one float8_e8m0fnu each). None: the format of
+            fp8_dispatch and fp8_group (``formats.format_of``). Flags set apart from their defaults must
+            agree with it.
         backend: "nvshmem" (Triton kernels over NVLink) or "reference" (torch.distributed).
         timeout_s: bound of every device-side wait, and on the reference backend of the exchange by which
             every rank agrees to a call.
@@ -148,23 +161,25 @@ class EPAllToAll(runtime.CommObject):
     world, rank = _from_config("world"), _from_config("rank")
     max_tokens, hidden, topk = _from_config("max_tokens"), _from_config("hidden"), _from_config("topk")
     num_experts, experts_per_rank = _from_config("num_experts"), _from_config("experts_per_rank")
-    dtype, fp8_group, timeout_s = _from_config("dtype"), _from_config("fp8_group"), _from_config("timeout_s")
+    dtype, payload, timeout_s = _from_config("dtype"), _from_config("payload"), _from_config("timeout_s")
+    fp8_group = _from_config("fp8_group")   # columns per scale (EPConfig.fp8_group), None without scales
     validate, timing, elastic = _from_config("validate"), _from_config("timing"), _from_config("elastic")
 
     def __init__(self, max_tokens: int, hidden: int, num_experts: int, topk: int, group=None,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                  backend: str = "nvshmem", timeout_s: float = 10.0, validate: bool = True, timing: bool = False,
                  num_sms: int | None = None, device: torch.device | str | None = None, elastic: bool = False,
-                 puts: str = "auto"):
+                 puts: str = "auto", payload: str | PayloadFormat | None = None):
         if not dist.is_initialized():
             raise RuntimeError("EPAllToAll needs torch.distributed to be initialized")
         settings = dict(max_tokens=max_tokens, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
                         fp8_group=fp8_group if fp8_dispatch else None, backend=backend, num_sms=num_sms,
-                        elastic=elastic, puts=puts)
+                        elastic=elastic, puts=puts,
+                        payload=payload.name if isinstance(payload, PayloadFormat) else payload)
         self._configure_on_every_rank(
             "EPAllToAll", lambda: self._configure(dist.get_world_size(group), dist.get_rank(group), max_tokens, hidden,
                                                   num_experts, topk, dtype, fp8_dispatch, fp8_group, backend,
-                                                  timeout_s, validate, timing, num_sms, elastic, puts),
+                                                  timeout_s, validate, timing, num_sms, elastic, puts, payload),
             settings, group, backend, device)
         sms = self._open(group, backend, device)
         if sms is None:                                   # the reference backend: no NVSHMEM
@@ -181,7 +196,8 @@ class EPAllToAll(runtime.CommObject):
     def simulated(cls, world: int, max_tokens: int, hidden: int, num_experts: int, topk: int,
                   dtype: torch.dtype = torch.bfloat16, fp8_dispatch: bool = True, fp8_group: int = 128,
                   timeout_s: float = 5.0, validate: bool = True, timing: bool = False,
-                  num_sms: int = 1, elastic: bool = False, puts: str = "auto", nodes: int = 1) -> list[EPAllToAll]:
+                  num_sms: int = 1, elastic: bool = False, puts: str = "auto", nodes: int = 1,
+                  payload: str | PayloadFormat | None = None) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
         the symmetric buffers are plain tensors (``shmem.SimulatedHeap``) and the peer tables hold their
         addresses. The ranks form `nodes` nodes of world / nodes consecutive ranks: a rank reaches the
@@ -195,7 +211,7 @@ class EPAllToAll(runtime.CommObject):
         for rank in range(world):
             ep = cls.__new__(cls)
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                          "nvshmem", timeout_s, validate, timing, num_sms, elastic, puts)
+                          "nvshmem", timeout_s, validate, timing, num_sms, elastic, puts, payload)
             ep.group, ep.device, ep._heap = None, torch.device("cpu"), heap
             node = rank * nodes // world
             remote = put_peers(world, rank, lambda r: r * nodes // world == node, puts)
@@ -209,11 +225,12 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ setup
 
     def _configure(self, world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
-                   backend, timeout_s, validate, timing=False, num_sms=None, elastic=False, puts="auto") -> None:
-        check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
-                     backend, timeout_s, num_sms, elastic, puts)
-        self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype,
-                               fp8_group if fp8_dispatch else None, timeout_s, validate, timing, elastic)
+                   backend, timeout_s, validate, timing=False, num_sms=None, elastic=False, puts="auto",
+                   payload=None) -> None:
+        payload = check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group,
+                               backend, timeout_s, num_sms, elastic, puts, payload)
+        self.config = EPConfig(world, rank, max_tokens, hidden, num_experts, topk, dtype, payload, timeout_s,
+                               validate, timing, elastic)
         self.backend = backend
         self._dispatches = self._combines = 0            # calls so far: call n uses slot n % slots
         self._in_flight = {"dispatch": 0, "combine": 0}  # receive hooks not yet called
@@ -333,9 +350,12 @@ class EPAllToAll(runtime.CommObject):
             mode: "auto", "decode" or "prefill": which kernels run (see the module's docstring); the
                 results are the same.
         Returns:
-            recv_x: [E_loc, W*T_max, H] float8_e4m3fn (or `dtype` without FP8): rows [0, recv_count[e])
-                of expert e are valid, in (source rank, token, k) order.
-            recv_scales: [E_loc, W*T_max, H/fp8_group] float32 scales of those rows, or None.
+            recv_x: [E_loc, W*T_max, H] of the payload's ``payload_dtype`` (float8_e4m3fn, or `dtype` without
+                scales): rows [0, recv_count[e]) of expert e are valid, in (source rank, token, k) order.
+            recv_scales: [E_loc, W*T_max, G] of the payload's ``scale_dtype``, the scales of those rows as
+                ``PayloadFormat.quantize`` makes them (``payload.dequantize(recv_x, recv_scales)`` decodes):
+                G = H/128 float32 for "fp8", H/512 int32 for "fp8_ue8m0", H/32 float8_e8m0fnu for "mxfp8";
+                None without scales.
             recv_count: [E_loc] int32 on the device.
             handle: what combine needs.
             hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
@@ -555,9 +575,34 @@ def _no_hook() -> None:
     """The receive hook of a protocol whose sends deliver at once: its receive already happened."""
 
 
+def payload_format(payload, fp8_dispatch: bool = True, fp8_group: int = FP8_GROUP,
+                   dtype: torch.dtype = torch.bfloat16) -> PayloadFormat:
+    """The PayloadFormat EPAllToAll's arguments ask for: `payload` (a name of ``formats.FORMATS`` or a
+    PayloadFormat), or with None the format of the flags (``formats.format_of``). ValueError for an unknown
+    name, for flags set apart from their defaults (fp8_dispatch=True, fp8_group=128) that disagree with the
+    payload (fp8_dispatch=False with scales; an fp8_group other than the payload's group), for a format
+    dispatch does not apply (not in DISPATCH_FORMATS' kinds: nvfp4), and for an unscaled format that is not
+    x's dtype."""
+    if payload is None:
+        return format_of(fp8_dispatch, fp8_group, dtype)
+    fmt = FORMATS.get(payload) if isinstance(payload, str) else payload
+    if not isinstance(fmt, PayloadFormat):
+        raise ValueError(f"payload must be one of {tuple(FORMATS)}, a PayloadFormat or None, got {payload!r}")
+    if (not fp8_dispatch and fmt.group) or (fp8_group != FP8_GROUP and fp8_group != fmt.group):
+        raise ValueError(f"payload={fmt.name!r} disagrees with fp8_dispatch={fp8_dispatch}, fp8_group={fp8_group}: "
+                         f"pass the payload alone")
+    if fmt.scale not in DISPATCH_SCALES or fmt.element_pack != 1:
+        raise ValueError(f"payload format {fmt.name!r} is not yet supported by dispatch; supported: "
+                         f"{', '.join(DISPATCH_FORMATS)}")
+    if not fmt.group and fmt.payload_dtype != dtype:
+        raise ValueError(f"payload format {fmt.name!r} sends x as it is, and dtype is {dtype}")
+    return fmt
+
+
 def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispatch, fp8_group, backend,
-                 timeout_s=10.0, num_sms=None, elastic=False, puts="auto") -> None:
-    """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it."""
+                 timeout_s=10.0, num_sms=None, elastic=False, puts="auto", payload=None) -> PayloadFormat:
+    """The ValueError EPAllToAll(...) would raise for these arguments on `world` ranks, without building it;
+    else the payload format they ask for (``payload_format``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if puts not in PUTS:
@@ -579,11 +624,12 @@ def check_config(max_tokens, hidden, num_experts, topk, world, dtype, fp8_dispat
         raise ValueError(f"num_experts={num_experts} is not a multiple of the world size {world}")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
-    if fp8_dispatch:
-        if not isinstance(fp8_group, int) or fp8_group < 16 or fp8_group & (fp8_group - 1):
-            raise ValueError(f"fp8_group must be a power of two >= 16, got {fp8_group!r}")
-        if hidden % fp8_group:
-            raise ValueError(f"hidden={hidden} is not a multiple of fp8_group={fp8_group}")
+    fmt = payload_format(payload, fp8_dispatch, fp8_group, dtype)
+    if fmt.scale == "fp32" and hidden % fmt.group:
+        raise ValueError(f"hidden={hidden} is not a multiple of fp8_group={fmt.group}")
+    if fmt.group:
+        fmt.check_hidden(hidden)
     elif hidden % 8:
         raise ValueError(f"hidden={hidden} must be a multiple of 8")
     runtime.check_timeout(timeout_s)
+    return fmt

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
+from ..formats import FP8_GROUP
 from ..kernels import all_to_all as kernels
 from ..kernels.status import EP_STATUS_WORDS, STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED
 from ..runtime import CommTimeoutError
@@ -64,13 +65,13 @@ SCAN_CHUNKS, SCAN_TILE = 8, 512   # the last layout program sums up at most 8 ch
 
 @dataclass
 class DispatchBuffers:
-    """Dispatch's buffers. S = SLOTS, W ranks, T = max_tokens, H = hidden, K = topk, G = H / fp8_group
-    scale groups, E experts, E_loc local experts, R = W * T rows per local expert, C layout chunks of ids
-    (``layout_chunks``). Row block [slot, src] of a
+    """Dispatch's buffers. S = SLOTS, W ranks, T = max_tokens, H = hidden, K = topk, P = the payload format
+    (``config.payload``), G = its scales items per row (``config.groups``), E experts, E_loc local experts,
+    R = W * T rows per local expert, C layout chunks of ids (``layout_chunks``). Row block [slot, src] of a
     symmetric buffer is written by rank src's dispatch_send through a peer pointer."""
     # symmetric (the peer table rows, kernels.DISPATCH_PEERS)
-    data: torch.Tensor         # [S, W, T, H] fp8 or dtype: each source's token rows; dispatch_recv reads them
-    scales: torch.Tensor       # [S, W, T, G] f32: their FP8 scales
+    data: torch.Tensor         # [S, W, T, H] P.payload_dtype: each source's token rows; dispatch_recv reads them
+    scales: torch.Tensor       # [S, W, T, G] P.scale_storage (f32 without scales, unused): their scales
     ids: torch.Tensor          # [S, W, T, K] i32: each source token's expert ids (sent to every rank)
     weights: torch.Tensor      # [S, W, T, K] f32: their weights (sent to the ranks the token goes to)
     positions: torch.Tensor    # [S, W, T, K] i32: hit (t, k)'s place among its chunk's hits of its expert
@@ -82,8 +83,8 @@ class DispatchBuffers:
     # local: dispatch_send's layout scratch (kernels.all_to_all.LAYOUT_*); dispatch_recv writes the others, the
     # experts and combine_send read them
     layout: torch.Tensor       # [S, 2 + C * E] i32: blocks finished, first bad id, hits per chunk and expert
-    recv_x: torch.Tensor       # [S, E_loc, R, H]: rows per local expert, in (source, token, k) order
-    recv_scales: torch.Tensor  # [S, E_loc, R, G] f32
+    recv_x: torch.Tensor       # [S, E_loc, R, H] P.payload_dtype: rows per local expert, in (source, token, k) order
+    recv_scales: torch.Tensor  # [S, E_loc, R, G] like scales: their scales, as sent
     recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
     recv_src: torch.Tensor     # [S, E_loc, R] i32: (source * T + t) * K + k of each row
     kept_ids: torch.Tensor     # [S, W, T, K] i32: the received ids, for combine_send
@@ -107,17 +108,17 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffer
     symmetric_zeros(shape, dtype), the others from local(shape, dtype)."""
     S, W, T, H, K, E, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
                                config.num_experts, config.experts_per_rank, config.groups)
-    C = layout_chunks(config)
+    C, P = layout_chunks(config), config.payload
     shapes = {
-        "data": (S, W, T, H), "scales": (S, W, T, G), "ids": (S, W, T, K), "weights": (S, W, T, K),
+        "data": (S, W, *P.payload_shape(T, H)), "scales": (S, W, T, G), "ids": (S, W, T, K), "weights": (S, W, T, K),
         "positions": (S, W, T, K), "offsets": (S, W, C, EL), "counts": (S, W, EL), "tokens": (S, W),
         "arrived": (S, W), "freed": (S, W), "layout": (S, 2 + C * E),
-        "recv_x": (S, EL, W * T, H), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
+        "recv_x": (S, EL, *P.payload_shape(W * T, H)), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
         "recv_src": (S, EL, W * T), "kept_ids": (S, W, T, K), "kept_weights": (S, W, T, K),
         "kept_rows": (S, W, T, K), "kept_tokens": (S, W)}
-    f32, i64 = torch.float32, torch.int64
-    dtypes = {"data": config.payload_dtype, "scales": f32, "weights": f32, "arrived": i64, "freed": i64,
-              "recv_x": config.payload_dtype, "recv_scales": f32, "kept_weights": f32}
+    f32, i64, scale = torch.float32, torch.int64, config.scale_dtype
+    dtypes = {"data": config.payload_dtype, "scales": scale, "weights": f32, "arrived": i64, "freed": i64,
+              "recv_x": config.payload_dtype, "recv_scales": scale, "kept_weights": f32}
     buffers = DispatchBuffers(**{
         f.name: (symmetric_zeros if f.name in kernels.DISPATCH_PEERS else local)(shapes[f.name],
                                                                                  dtypes.get(f.name, torch.int32))
@@ -274,8 +275,11 @@ class LowLatency(KernelProtocol):
         self.live_peers = self.live_table(peer_addresses)
         dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
         combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)
-        group = c.fp8_group or 128
-        quantize = dict(FP8=c.fp8_group is not None, GROUP=group)
+        # The payload format's constexprs (PayloadFormat.kernel_constants); without scales, GROUP only cuts rows
+        # into work items.
+        constants = c.payload.kernel_constants
+        group = c.payload.group or FP8_GROUP
+        quantize = dict(SCALE_KIND=constants["SCALE_KIND"], SCALE_PACK=constants["SCALE_PACK"], GROUP=group)
         # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}

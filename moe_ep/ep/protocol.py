@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 
+from ..formats import PayloadFormat
 from ..launcher import BoundKernel
 from ..runtime import device_library
 from ..shmem import INTERPRETING
@@ -62,7 +63,7 @@ class EPConfig:
     num_experts: int           # E, a multiple of world
     topk: int                  # K
     dtype: torch.dtype         # of x, expert_out and combine's output
-    fp8_group: int | None      # columns per FP8 scale, None: no FP8 dispatch
+    payload: PayloadFormat     # what a token's row becomes on the wire and in recv_x (moe_ep.formats)
     timeout_s: float           # bound of every device-side wait
     validate: bool             # range-check topk_ids
     timing: bool               # per-phase device timestamps
@@ -73,13 +74,26 @@ class EPConfig:
         return self.num_experts // self.world
 
     @property
+    def fp8_group(self) -> int | None:
+        """Columns per scale of the payload (its format's ``group``: 128 for "fp8" and "fp8_ue8m0", 32 for
+        "mxfp8"), None without scales. Float32 scales only for "fp8": the others' are ``payload.scale_dtype``."""
+        return self.payload.group or None
+
+    @property
     def payload_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.fp8_group else self.dtype
+        """Of recv_x and of the rows on the wire: the payload format's."""
+        return self.payload.payload_dtype
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """What the scales buffers hold (``PayloadFormat.scale_storage``; float32 without scales: unused)."""
+        return self.payload.scale_storage or torch.float32
 
     @property
     def groups(self) -> int:
-        """FP8 scale groups per row (1 without FP8: the scales buffers are then unused)."""
-        return self.hidden // self.fp8_group if self.fp8_group else 1
+        """Scales items per row (``PayloadFormat.scales_shape``; 1 without scales: the scales buffers are then
+        unused)."""
+        return self.payload.scales_shape(1, self.hidden)[1] if self.payload.group else 1
 
     @functools.cached_property
     def expert_rows(self) -> tuple[int, int, int]:
@@ -271,8 +285,9 @@ class KernelProtocol(EPProtocol):
         self.symmetric = {f"{self.name}.dispatch.{n}": getattr(d, n) for n in dispatch_peers}
         self.symmetric.update({f"{self.name}.combine.{n}": getattr(c, n) for n in combine_peers})
         self.symmetric[f"{self.name}.live"] = self.live
-        self.outputs = [(d.recv_x[s], d.recv_scales[s] if self.config.fp8_group else None, d.recv_count[s],
-                         d.recv_src[s]) for s in range(self.slots)]
+        payload = self.config.payload
+        self.outputs = [(d.recv_x[s], d.recv_scales[s].view(payload.scale_dtype) if payload.group else None,
+                         d.recv_count[s], d.recv_src[s]) for s in range(self.slots)]
 
     def live_table(self, peer_addresses) -> torch.Tensor:
         """int64 [world]: every rank's address of the live mask (its peers clear a rank's word in all of them)."""

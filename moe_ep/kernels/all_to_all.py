@@ -12,7 +12,9 @@ dispatch_send   (on every rank, for its own tokens)
                           has few ids (one chunk), program b instead compares every id with a block
                           of experts, which takes one step.
     programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
-                          The chunk is quantized to FP8 once (``fp8_quantize_groups``) and stored
+                          The chunk is quantized once (``fp8_quantize_groups``, or
+                          ``quant.quantize_groups`` for UE8M0 scales: the constexprs SCALE_KIND,
+                          SCALE_PACK and GROUP, the payload format's ``kernel_constants``) and stored
                           once to every rank that owns at least one of the token's experts; the
                           token's expert ids go to every rank, its weights to those ranks.
     The last program to finish release-adds 1 to every receiver's arrival counter (slot, me).
@@ -91,7 +93,7 @@ import triton.language as tl
 
 from ..shmem import (INTERPRETING, SIGNAL_ADD, any_thread, bits_of, fence, last_to_finish, now_ns, putmem_nbi_block,
                      putmem_signal_nbi_block, quiet, signal_add_to, wait_all_ge, wait_live_ge)
-from .quant import cast_rn, fp8_quantize_groups, to_fp8
+from .quant import SCALE_FP32, SCALE_UE8M0, cast_rn, fp8_quantize_groups, quantize_groups, to_fp8
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
 
@@ -317,20 +319,25 @@ def _signal_by_puts(peers, row, offset, far, echo_addr, rank, world, stamps, TIM
 
 @triton.jit
 def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                     layout_chunks, FP8: tl.constexpr, GROUP: tl.constexpr, CHUNK_IDS: tl.constexpr):
+                     layout_chunks, SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr,
+                     CHUNK_IDS: tl.constexpr):
     """Dispatch's metadata of a call, staged for each rank of `far` (bits), put to it (the rows went with
-    their work items): the FP8 scales of the call's rows (one put, where a put per row chunk would be a
-    message of a few dozen bytes), ids, weights, positions and offsets of the call's ids, counts, token
-    count; then a fence, which orders them before the signal that follows."""
+    their work items): the scales of the call's rows, items of their storage type (one put, where a put per
+    row chunk would be a message of a few dozen bytes), ids, weights, positions and offsets of the call's ids,
+    counts, token count; then a fence, which orders them before the signal that follows."""
     ids = num_tokens * topk
     meta = stage.to(tl.int64) * max_tokens * topk
     groups = hidden // GROUP
     for r in range(world):
         if _bit(far, r):
             if ids > 0:
-                if FP8:
+                if SCALE_KIND == SCALE_FP32:
                     _put_span(peers, D_SCALES, rank, r, world, stage.to(tl.int64) * max_tokens * groups,
                               num_tokens * groups, tl.float32)
+                elif SCALE_KIND == SCALE_UE8M0:
+                    items = groups // SCALE_PACK
+                    _put_span(peers, D_SCALES, rank, r, world, stage.to(tl.int64) * max_tokens * items,
+                              num_tokens * items, _ue8m0_item(SCALE_PACK))
                 _put_span(peers, D_IDS, rank, r, world, meta, ids, tl.int32)
                 _put_span(peers, D_WEIGHTS, rank, r, world, meta, ids, tl.float32)
                 _put_span(peers, D_POSITIONS, rank, r, world, meta, ids, tl.int32)
@@ -343,17 +350,32 @@ def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hid
 
 @triton.jit
 def _dispatch_sent(finished, uses, use, ok, peers, stage, live_peers, rank, world, remote, echo_addr, stamps,
-                   num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8: tl.constexpr,
-                   GROUP: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr,
-                   TIMING: tl.constexpr, PUTS: tl.constexpr):
+                   num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, SCALE_KIND: tl.constexpr,
+                   SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr,
+                   ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr):
     """The end of dispatch's send phase: ``_finish`` signals the ranks a pointer reaches; with PUTS its last
     program then puts the call's metadata to the others and signals them."""
     far = _finish(finished, uses, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world, remote, stamps,
                   WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
         _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                         layout_chunks, FP8, GROUP, CHUNK_IDS)
+                         layout_chunks, SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS)
         _signal_by_puts(peers, D_ARRIVED, stage, far, echo_addr, rank, world, stamps, TIMING)
+
+
+@triton.constexpr_function
+def _ue8m0_item(SCALE_PACK):
+    """The storage type of a scales item of UE8M0 scales (``PayloadFormat.scale_storage``): four exponent
+    bytes in an int32 with SCALE_PACK 4 ("fp8_ue8m0"), one byte with 1 ("mxfp8")."""
+    return tl.int32 if SCALE_PACK == 4 else tl.uint8
+
+
+@triton.jit
+def _scale_items(chunk, hidden, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, SCALE_PACK: tl.constexpr):
+    """Chunk `chunk`'s scales items (SCALE_PACK groups' scales each) [BLOCK_GROUPS // SCALE_PACK], and the
+    items of a row of `hidden` columns (a multiple of GROUP * SCALE_PACK)."""
+    items = chunk * (BLOCK_GROUPS // SCALE_PACK) + tl.arange(0, BLOCK_GROUPS // SCALE_PACK)
+    return items, hidden // (GROUP * SCALE_PACK)
 
 
 @triton.jit
@@ -523,14 +545,16 @@ def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_token
 
 @triton.jit
 def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, rank, world, max_tokens,
-                     hidden, topk, experts_per_rank, live, remote,
-                     FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+                     hidden, topk, experts_per_rank, live, remote, SCALE_KIND: tl.constexpr,
+                     SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
                      PUTS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, chunk of BLOCK_GROUPS * GROUP columns):
-    quantize the chunk once, store it (and its scales) to every rank that owns one of the token's
-    experts; with the first chunk, the token's ids to every rank and its weights to those ranks. Ranks
-    outside `live` (bits) get nothing. With PUTS, the chunk staged for a rank of `remote` (bits) is put to
-    it at once (its scales, ids and weights go with the call's metadata: ``_put_call_layout``)."""
+    quantize the chunk once as the payload format says (SCALE_KIND, SCALE_PACK, GROUP: its
+    ``kernel_constants``; SCALE_NONE sends x as it is), store it (and its scales, items of their storage
+    type) to every rank that owns one of the token's experts; with the first chunk, the token's ids to every
+    rank and its weights to those ranks. Ranks outside `live` (bits) get nothing. With PUTS, the chunk
+    staged for a rank of `remote` (bits) is put to it at once (its scales, ids and weights go with the
+    call's metadata: ``_put_call_layout``)."""
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     num_groups = hidden // GROUP
@@ -550,17 +574,23 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                              mask=kk < topk)
         g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
         x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
-        if FP8:
+        if SCALE_KIND == SCALE_FP32:
             values, scales = fp8_quantize_groups(x.to(tl.float32))
             payload = to_fp8(values)
+        elif SCALE_KIND == SCALE_UE8M0:
+            payload, scales = quantize_groups(x.to(tl.float32), 1.0, SCALE_KIND, SCALE_PACK)
+            items, num_items = _scale_items(chunk, hidden, GROUP, BLOCK_GROUPS, SCALE_PACK)
         else:
             payload = x
         for r in range(world):
             if (tl.max((dest == r).to(tl.int32), 0) > 0) & _bit(live, r):
                 tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * hidden + cols, payload, mask=mask)
-                if FP8:
+                if SCALE_KIND == SCALE_FP32:
                     tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
                              mask=g < num_groups)
+                elif SCALE_KIND == SCALE_UE8M0:
+                    tl.store(_peer(peers, D_SCALES, r, world, scales.dtype) + row * num_items + items, scales,
+                             mask=items < num_items)
                 if PUTS:
                     if _bit(remote, r):
                         first = chunk * BLOCK_GROUPS * GROUP
@@ -606,11 +636,12 @@ def _source_row(item, chunks, longest, max_tokens):
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                          item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                         layout_chunks, reached, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-                         K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr):
+                         layout_chunks, reached, SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr,
+                         WORLD_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, chunk) of the sources in `reached` (bits):
-    fan the received chunk out to the rows of its local experts; with the first chunk, keep what combine
-    needs."""
+    fan the received chunk and its scales (items of their storage type, copied unchanged) out to the rows of
+    its local experts; with the first chunk, keep what combine needs."""
     rows_per_expert = world * max_tokens
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
@@ -629,8 +660,11 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
             staged = stage.to(tl.int64) * max_tokens + src_row
             # the chunk's loads go out before the rows are worked out, and are in flight meanwhile
             payload = tl.load(data_ptr + staged * hidden + cols, mask=cols < tl.where(any_local, hidden, 0))
-            if FP8:
+            if SCALE_KIND == SCALE_FP32:
                 scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < tl.where(any_local, num_groups, 0))
+            elif SCALE_KIND == SCALE_UE8M0:
+                items, num_items = _scale_items(chunk, hidden, GROUP, BLOCK_GROUPS, SCALE_PACK)
+                scales = tl.load(scale_ptr + staged * num_items + items, mask=items < tl.where(any_local, num_items, 0))
             row = tl.load(pos_ptr + meta, mask=local, other=0)
             id_chunk = (t * topk + kk) // CHUNK_IDS            # the layout chunk of each hit
             row += tl.load(offset_ptr + ((stage + src) * layout_chunks + id_chunk) * experts_per_rank + expert,
@@ -651,8 +685,10 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
                     if row_k >= 0:
                         dst = _pick(expert, kk, k).to(tl.int64) * rows_per_expert + row_k
                         tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
-                        if FP8:
+                        if SCALE_KIND == SCALE_FP32:
                             tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
+                        elif SCALE_KIND == SCALE_UE8M0:
+                            tl.store(recv_scale_ptr + dst * num_items + items, scales, mask=items < num_items)
 
 
 @triton.jit
@@ -741,15 +777,18 @@ def dispatch_send_kernel(
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     layout_blocks, layout_chunks,                            # layout programs; chunks of T_max * K ids
     remote, echo_addr,                                       # ranks reached by puts (bits); echo int64 [world]
-    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
     PUTS: tl.constexpr,
 ):
-    """Staging on rank r, per slot and source rank s: data [T_max, H] (FP8 or x's dtype), scales
-    [T_max, H/GROUP] f32, ids/weights/positions [T_max, K] i32/f32/i32, offsets [layout_chunks, E/world]
-    i32, counts [E/world] i32, tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
+    """Staging on rank r, per slot and source rank s: data [T_max, H] (e4m3, or x's dtype with SCALE_NONE),
+    scales [T_max, H / GROUP / SCALE_PACK] (f32 with SCALE_FP32; with SCALE_UE8M0 int32, four exponent bytes
+    each, for SCALE_PACK 4, one byte for 1), ids/weights/positions [T_max, K] i32/f32/i32, offsets
+    [layout_chunks, E/world] i32, counts [E/world] i32, tokens [] i32; arrived and freed counters
+    [SLOTS, world] i64."""
     status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
                                     world, 1, timeout_ns, TAG_DISPATCH_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     pid = tl.program_id(0)
@@ -761,11 +800,11 @@ def dispatch_send_kernel(
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     elif ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
-                         stage, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote, FP8,
-                         GROUP, BLOCK_GROUPS, K_PAD, PUTS)
+                         stage, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
+                         SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS, K_PAD, PUTS)
     _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
-                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8,
-                   GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
+                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks,
+                   SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS + ["layout_chunks"])
@@ -776,7 +815,8 @@ def dispatch_recv_kernel(
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks, remote, echo_addr,
-    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    K_PAD: tl.constexpr,
     CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
     PUTS: tl.constexpr,
 ):
@@ -793,8 +833,8 @@ def dispatch_recv_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                              recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
-                             WORLD_PAD)
+                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
+                             K_PAD, CHUNK_IDS, WORLD_PAD)
     far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers,
                   rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
@@ -864,7 +904,8 @@ def dispatch_kernel(
     layout_ptr,                                              # as in dispatch_send_kernel
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     layout_blocks, layout_chunks, remote, echo_addr,
-    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
@@ -883,10 +924,11 @@ def dispatch_kernel(
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     if ok:
         _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, rank, world, max_tokens,
-                         hidden, topk, experts_per_rank, live, remote, FP8, GROUP, BLOCK_GROUPS, K_PAD, PUTS)
+                         hidden, topk, experts_per_rank, live, remote, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
+                         K_PAD, PUTS)
     _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
-                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks, FP8,
-                   GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
+                   echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks,
+                   SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
@@ -899,8 +941,8 @@ def dispatch_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr,
                              tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, FP8, GROUP, BLOCK_GROUPS, K_PAD, CHUNK_IDS,
-                             WORLD_PAD)
+                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
+                             K_PAD, CHUNK_IDS, WORLD_PAD)
     far = _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED,
                   stage, live_peers, rank, world, remote, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
