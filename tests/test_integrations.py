@@ -3,9 +3,10 @@ teardown, the elastic ones' live mask and the package layout.
 
 combine writes the caller's tensor when given one (the engines' output), after checking it, and the
 result is the one combine returns without out; destroy_all_to_alls destroys what all_to_all shared, and
-destroy() may be called again; all_to_all builds elastic all-to-alls apart from plain ones, and live_mask
+destroy() may be called again; all_to_all builds elastic all-to-alls apart from plain ones and one per
+payload format (fp8=True is payload "fp8"), refusing a payload dispatch does not apply, and live_mask
 reads their masks together, and mask_inactive masks in an all-to-all the ranks an engine's mask counts
-inactive; `import moe_ep` pulls in no engine.
+inactive; mn_major lays scales out MN-major; `import moe_ep` pulls in no engine.
 """
 import os
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from cases import expected_combine, expert_fn, make_inputs, on_ranks
 from distributed import run
 from moe_ep import EPAllToAll, integrations, random_topk
-from moe_ep.integrations import all_to_all, destroy_all_to_alls, elastic_all_to_alls, live_mask
+from moe_ep.integrations import all_to_all, destroy_all_to_alls, elastic_all_to_alls, live_mask, mn_major
 
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -83,6 +84,36 @@ def test_elastic_all_to_alls_and_their_live_mask(monkeypatch):
     assert live_mask([first, second]).tolist() == [1, 1, 1]
     second.mask_ranks([2])
     assert live_mask([first, second]).tolist() == [1, 1, 0] and first.live_ranks() == [0, 1, 2]
+
+
+def test_all_to_all_takes_a_payload(monkeypatch):
+    """all_to_all keys the payload format apart (this rank of simulated worlds here): fp8=True is payload "fp8",
+    neither is the activation dtype's; fp8=True with another payload, and a payload dispatch does not apply
+    (nvfp4), are refused naming it."""
+    monkeypatch.setattr(integrations, "_ALL_TO_ALLS", {})
+    monkeypatch.setattr(integrations, "EPAllToAll", lambda max_tokens, hidden, num_experts, topk, **kwargs:
+                        EPAllToAll.simulated(2, max_tokens, hidden, num_experts, topk, dtype=kwargs["dtype"],
+                                             fp8_dispatch=kwargs["fp8_dispatch"], fp8_group=kwargs["fp8_group"],
+                                             payload=kwargs["payload"])[0])
+    shape = (4, 512, 4, 2, torch.bfloat16)
+    fp8 = all_to_all(*shape, True)
+    assert fp8.payload.name == "fp8" and all_to_all(*shape, payload="fp8") is fp8
+    assert all_to_all(*shape).payload.name == "bf16"
+    for name in ("fp8_ue8m0", "mxfp8"):
+        ep = all_to_all(*shape, payload=name)
+        assert ep.payload.name == name and ep is not fp8 and all_to_all(*shape, payload=name) is ep
+    with pytest.raises(ValueError, match="fp8=True asks for payload 'fp8', payload asks for 'mxfp8'"):
+        all_to_all(*shape, True, payload="mxfp8")
+    with pytest.raises(ValueError, match="'nvfp4' is not yet supported by dispatch"):
+        all_to_all(*shape, payload="nvfp4")
+
+
+def test_mn_major():
+    """mn_major keeps the values of [E, M, G] and lays them out with strides (M * G, 1, M), G = 1 included."""
+    for groups in (1, 3):
+        scales = torch.arange(2 * 5 * groups, dtype=torch.int32).view(2, 5, groups)
+        laid = mn_major(scales)
+        assert torch.equal(laid, scales) and laid.stride() == (5 * groups, 1, 5)
 
 
 @INTERPRETED

@@ -9,8 +9,9 @@ masked_m is the per-expert count summed over ranks; layers of one shape share an
 tokens on a rank, one token, dropped slots (-1). At 2 ranks also: the MoE layer SGLang's model code builds
 for --moe-a2a-backend deepep (DeepEPMoE, through its own constructor) gets a MoeEpDispatcher from the plugin
 and its forward matches; the _a/_b halves of two sub-batches (two-batch overlap) on that layer's dispatcher
-in flight, FP8 dispatch (SGLang's default dispatch dtype: FP8 rows, fp32 scales per 128 columns),
-the dtype a quantization method sets, and what is refused. The experts on the low-latency layout are
+in flight, FP8 dispatch (SGLang's default dispatch dtype: FP8 rows, fp32 scales per 128 columns; where
+DeepGEMM takes UE8M0 scales, payload "fp8_ue8m0": int32 scales, MN-major), the dtype a quantization method
+sets, and what is refused (MXFP8 naming payload "mxfp8"). The experts on the low-latency layout are
 moe_ep's plain-torch grouped GEMM: SGLang's runner for that layout (DeepGEMM) needs a GPU.
 
 SGLang's MoE modules import torchvision (through sglang.srt.configs), and PyPI's torchvision imports
@@ -52,6 +53,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_exec, get_flags, get_parallel  # noqa: E402
 
 from moe_ep.ep import EPAllToAll  # noqa: E402
+from moe_ep.formats import FORMATS  # noqa: E402
 from moe_ep.integrations import sglang as moe_ep_sglang  # noqa: E402
 from moe_ep.kernels.grouped_gemm import gated_mlp  # noqa: E402
 
@@ -247,6 +249,37 @@ def _fp8_dispatch(rank, world):
         y, out = moe_ep_moe(dispatcher, rank, world, w13, w2, x, ids, weights)
         assert out.hidden_states.dtype == torch.float32 and out.hidden_states_scale is None
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    _ue8m0_dispatch(rank, world)
+
+
+def _ue8m0_dispatch(rank, world):
+    """Where DeepGEMM takes UE8M0 scales (DEEPGEMM_SCALE_UE8M0, Blackwell) FP8 dispatch is payload "fp8_ue8m0":
+    int32 scales [E_loc, W * T_max, H / 512], MN-major, as DeepEP's use_ue8m0 dispatch returns them."""
+    topk, hidden, rows = 2, 512, world * MAX_TOKENS
+    w13, w2, x, ids, weights = inputs(rank, 5, topk, drop=True, hidden=hidden)
+    mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    wrapper = moe_ep_sglang.deep_gemm_wrapper
+    ue8m0 = wrapper.DEEPGEMM_SCALE_UE8M0
+    wrapper.DEEPGEMM_SCALE_UE8M0 = True
+    try:
+        with get_exec().moe.override(deepep_dispatcher_output_dtype="auto"):
+            dispatcher = _hooked_factory(runner_config(world, topk, hidden))
+            assert dispatcher.payload == "fp8_ue8m0" and dispatcher.fp8
+            out = dispatcher.dispatch(hidden_states=x, topk_output=StandardTopKOutput(weights, ids, None))
+            scales = out.hidden_states_scale
+            assert out.hidden_states.dtype == torch.float8_e4m3fn and scales.dtype == torch.int32
+            assert scales.shape == (EXPERTS // world, rows, hidden // 512) and scales.stride() == (rows, 1, rows)
+            row_major = scales.clone(memory_format=torch.contiguous_format)
+            decoded = FORMATS["fp8_ue8m0"].dequantize(out.hidden_states, row_major).to(x.dtype)
+            y = dispatcher.combine(combine_input=run_experts(out._replace(hidden_states=decoded,
+                                                                          hidden_states_scale=None),
+                                                             w13[mine], w2[mine], x.dtype))
+            expected = standard_moe(rank, world, w13, w2, x, ids, weights)
+            assert (y - expected).norm() <= 0.05 * expected.norm()    # e4m3 rounding with power-of-two scales
+            with pytest.raises(ValueError, match="format 'fp8_ue8m0': hidden=128 is not a multiple of 512"):
+                _hooked_factory(runner_config(world, topk, 128))
+    finally:
+        wrapper.DEEPGEMM_SCALE_UE8M0 = ue8m0
 
 
 def _refusals(rank, world):
@@ -267,8 +300,9 @@ def _refusals(rank, world):
             _hooked_factory(config)
         with pytest.raises(ValueError, match="dispatch dtype is nvfp4"):
             _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"dispatcher_output_dtype": "nvfp4"})
-        with pytest.raises(ValueError, match="MXFP8"):
-            _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config({"use_mxfp8": True})
+        for quant_config in ({"use_mxfp8": True}, {"dispatcher_output_dtype": "mxfp8"}):
+            with pytest.raises(ValueError, match="MXFP8 experts ask for payload 'mxfp8'"):
+                _hooked_factory(runner_config(world, 2, hidden=128)).set_quant_config(quant_config)
     with get_exec().moe.override(elastic_ep_backend="mooncake"):
         with pytest.raises(ValueError, match="elastic EP .* needs --enable-eplb"):
             moe_ep_sglang.make_dispatcher(config, backend="nvshmem")

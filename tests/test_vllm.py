@@ -15,7 +15,8 @@ CPU, 1, 2 and 4 ranks: vLLM's FusedMoEKernel with MoeEpPrepareAndFinalize and th
 for every rank's tokens, what the same kernel gives with vLLM's BatchedPrepareAndFinalize and all experts
 on the rank (no all-to-all), within fp32 rounding; the per-expert counts are the reference's summed over
 ranks; apply_router_weight_on_input; zero tokens on a rank; dropped slots (-1).
-The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides. Also what is refused.
+The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides. FP8 dispatch, and payload
+"fp8_ue8m0" (int32 scales, MN-major) for experts that take packed UE8M0 scales. Also what is refused.
 
 Elastic mode (CPU): make_prepare_finalize(..., elastic=True) builds the shared all-to-all elastic; a
 simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
@@ -56,6 +57,7 @@ from vllm.v1.worker import ubatching  # noqa: E402
 
 from moe_ep import integrations  # noqa: E402
 from moe_ep.ep import EPAllToAll, EPHandle  # noqa: E402
+from moe_ep.formats import FORMATS  # noqa: E402
 from moe_ep.integrations import vllm as moe_ep_vllm  # noqa: E402
 from moe_ep.reference import quantize_fp8  # noqa: E402
 
@@ -158,8 +160,52 @@ def _fp8_dispatch(rank, world):
     assert (y - expected).norm() <= 0.05 * expected.norm()       # FP8 e4m3 rounding of the inputs
 
 
+class UE8M0Experts(moe_ep_vllm.GroupedGemmExperts):
+    """Experts that say they take packed UE8M0 activation scales (as vLLM's DeepGEMM experts do on Blackwell)."""
+
+    def supports_packed_ue8m0_act_scales(self):
+        return True
+
+
+def _ue8m0_dispatch(rank, world):
+    """Experts that take packed UE8M0 scales get payload "fp8_ue8m0": int32 scales [E_loc, W * T_max, H / 512],
+    MN-major, decoding to the rows "fp8" sends (within both roundings); the "fp8" all-to-all of the shape stays
+    shared for other experts."""
+    topk, hidden = 2, 512
+    quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    config = moe_config(world, rank, topk, hidden=hidden)
+    prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
+    fp8 = prepare_finalize.ep
+    assert fp8.payload.name == "fp8"
+    kernel = mk.FusedMoEKernel(prepare_finalize, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS,
+                                                              num_dispatchers=world))
+    ep = kernel.prepare_finalize.ep
+    assert ep.payload.name == "fp8_ue8m0" and ep is moe_ep_vllm.all_to_all(
+        MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, backend="reference", payload="fp8_ue8m0")
+    assert moe_ep_vllm.all_to_all(MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, True, None, "reference") is fp8
+    w1, w2, x, ids, weights = inputs(rank, 5, topk, drop=True, hidden=hidden)
+    recv_x, scales, meta, _, _ = prepare_finalize.prepare(x, weights, ids, EXPERTS, None, False, quant)
+    rows = world * MAX_TOKENS
+    assert recv_x.dtype == torch.float8_e4m3fn and scales.dtype == torch.int32
+    assert scales.shape == (EXPERTS // world, rows, hidden // 512)
+    assert scales.stride() == (rows * hidden // 512, 1, rows)
+    fp8_x, fp8_scales, fp8_meta, _, _ = moe_ep_vllm.MoeEpPrepareAndFinalize(fp8).prepare(
+        x, weights, ids, EXPERTS, None, False, quant)
+    assert torch.equal(meta.expert_num_tokens, fp8_meta.expert_num_tokens)
+    for e, count in enumerate(meta.expert_num_tokens.tolist()):
+        row_major = scales[e, :count].clone(memory_format=torch.contiguous_format)   # view()'s strides with G = 1
+        got = FORMATS["fp8_ue8m0"].dequantize(recv_x[e, :count], row_major)
+        sent = FORMATS["fp8"].dequantize(fp8_x[e, :count], fp8_scales[e, :count])
+        assert (got - sent).norm() <= 0.1 * sent.norm()              # two e4m3 roundings of the same rows
+
+
+def _fp8_dispatches(rank, world):
+    _fp8_dispatch(rank, world)
+    _ue8m0_dispatch(rank, world)
+
+
 def test_fp8_dispatch():
-    run(_fp8_dispatch, 2)
+    run(_fp8_dispatches, 2)
 
 
 def _refusals(rank, world):
@@ -191,13 +237,19 @@ def _refusals(rank, world):
         prepare_finalize.finalize(torch.empty_like(x), recv_x, weights * 2, ids, False, reduce)
     prepare_finalize.finalize(torch.empty_like(x), recv_x, weights.clone(), ids, False, reduce)   # equal: taken
 
-    class UE8M0Experts(moe_ep_vllm.GroupedGemmExperts):
-        def supports_packed_ue8m0_act_scales(self):
-            return True
     quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
     fp8 = moe_ep_vllm.make_prepare_finalize(moe_config(world, rank, 2, hidden=128), quant, backend="reference")
-    with pytest.raises(ValueError, match="UE8M0"):
+    with pytest.raises(ValueError, match="payload 'fp8_ue8m0'.*hidden=128 is not a multiple of 512"):
         mk.FusedMoEKernel(fp8, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
+    alone = moe_ep_vllm.MoeEpPrepareAndFinalize(moe_ep_vllm.all_to_all(MAX_TOKENS, 512, EXPERTS, 2, torch.float32,
+                                                                       True, None, "reference"))
+    with pytest.raises(ValueError, match="payload 'fp8_ue8m0'.*its 'fp8' all-to-all only"):
+        mk.FusedMoEKernel(alone, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
+    for asked, quant in (("mxfp8", FusedMoEQuantConfig.make(quant_dtype="mxfp8")),
+                         ("float8_e4m3fn", FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn,
+                                                                    block_shape=[128, 64]))):
+        with pytest.raises(ValueError, match=f"asks for '{asked}' activations"):
+            moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
 
 
 def test_refuses_what_it_cannot_honour():

@@ -5,11 +5,11 @@
     sglang         a token dispatcher over EPAllToAll for SGLang's MoE layers, and its plugin
 
 ``vllm`` and ``sglang`` import their engine: import them only where it is installed. Both share
-``all_to_all``, the EPAllToAll of one layer shape, made once per process (``destroy_all_to_alls`` frees
-them all at the end of a job), ``check_local_experts``, and for elastic mode ``elastic_all_to_alls`` and
-``live_mask``: the ranks the elastic all-to-alls count live, read on the device, where an engine keeps its
-own mask of live ranks, and ``mask_inactive``, which masks in an all-to-all the ranks the engine's mask
-counts inactive.
+``all_to_all``, the EPAllToAll of one layer shape and payload format, made once per process
+(``destroy_all_to_alls`` frees them all at the end of a job), ``check_local_experts``, and for elastic mode
+``elastic_all_to_alls`` and ``live_mask``: the ranks the elastic all-to-alls count live, read on the device,
+where an engine keeps its own mask of live ranks, and ``mask_inactive``, which masks in an all-to-all the ranks
+the engine's mask counts inactive. ``mn_major`` lays packed UE8M0 scales ("fp8_ue8m0") out as DeepGEMM takes them.
 """
 from __future__ import annotations
 
@@ -23,18 +23,34 @@ FP8_BLOCK = 128                    # columns per FP8 scale: the activation block
 _ALL_TO_ALLS: dict[tuple, EPAllToAll] = {}
 
 
-def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool,
+def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype, fp8: bool = False,
                group=None, backend: str = "nvshmem", device: torch.device | None = None,
-               elastic: bool = False) -> EPAllToAll:
-    """The EPAllToAll of this shape on `group` (FP8 dispatch in FP8_BLOCK columns when `fp8`; elastic mode
-    when `elastic`) for tensors on `device` (None: EPAllToAll's default), made on first use (collective
-    then) and shared after: an engine's MoE layers of one shape share one."""
-    key = (max_tokens, hidden, num_experts, topk, dtype, fp8, group, backend, device, elastic)
+               elastic: bool = False, payload: str | None = None) -> EPAllToAll:
+    """The EPAllToAll of this shape on `group` dispatching `payload` (a name of ``moe_ep.formats.FORMATS`` that
+    dispatch applies: "fp8", "fp8_ue8m0", "mxfp8", or the activation dtype's; None: "fp8" when `fp8`, the
+    activation dtype's otherwise; "fp8" is FP8 in FP8_BLOCK columns), elastic when `elastic`, for tensors on
+    `device` (None: EPAllToAll's default), made on first use (collective then) and shared after: an engine's
+    MoE layers of one shape and payload share one. ValueError when `fp8` and `payload` disagree, or for a
+    payload dispatch does not apply (EPAllToAll's, naming it)."""
+    if payload is None:
+        payload = "fp8" if fp8 else None
+    elif fp8 and payload != "fp8":
+        raise ValueError(f"fp8=True asks for payload 'fp8', payload asks for {payload!r}: pass the payload alone")
+    key = (max_tokens, hidden, num_experts, topk, dtype, payload, group, backend, device, elastic)
     if key not in _ALL_TO_ALLS:
         _ALL_TO_ALLS[key] = EPAllToAll(max_tokens, hidden, num_experts, topk, group=group, dtype=dtype,
-                                       fp8_dispatch=fp8, fp8_group=FP8_BLOCK, backend=backend, device=device,
-                                       elastic=elastic)
+                                       fp8_dispatch=payload is not None, fp8_group=FP8_BLOCK, backend=backend,
+                                       device=device, elastic=elastic, payload=payload)
     return _ALL_TO_ALLS[key]
+
+
+def mn_major(scales: torch.Tensor) -> torch.Tensor:
+    """A dispatch's recv_scales [E_loc, M, G] (row-major) -> the same values laid out MN-major, strides
+    (M * G, 1, M): how DeepGEMM takes an activation's packed UE8M0 scales (int32, G = H / 512), and how
+    DeepEP's use_ue8m0 dispatch returns them. A copy: it stays valid after the all-to-all's next calls."""
+    experts, rows, groups = scales.shape
+    out = torch.empty((experts, groups, rows), dtype=scales.dtype, device=scales.device).transpose(1, 2)
+    return out.copy_(scales)            # strides set explicitly: contiguous() keeps any stride of a size-1 G
 
 
 def elastic_all_to_alls() -> list[EPAllToAll]:

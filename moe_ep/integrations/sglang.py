@@ -15,9 +15,12 @@ SGLang's DeepEP low-latency path: the runners that read its output, CUDA graphs,
 
 The output is SGLang's DeepEPLLDispatchOutput, whose layout is EPAllToAll's: hidden_states
 [E_loc, W * max_tokens, H], FP8 e4m3 with hidden_states_scale [E_loc, W * max_tokens, H / 128] fp32
-when SGLang's choice of DeepEP's dispatch dtype (get_deepep_output_dtype) is FP8, the layer's dtype
-when it is bf16; masked_m [E_loc] int32 (the rows per local expert, recv_count); expected_m as DeepEP
-computes it; topk_ids and topk_weights as given. Combine takes SGLang's DeepEPLLCombineInput (the
+when SGLang's choice of DeepEP's dispatch dtype (get_deepep_output_dtype) is FP8 (payload "fp8"), the
+layer's dtype when it is bf16; where DeepGEMM takes UE8M0 scales (deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0),
+FP8 is payload "fp8_ue8m0" and hidden_states_scale is int32 [E_loc, W * max_tokens, H / 512], four UE8M0
+scales packed in each, MN-major (strides (W * max_tokens * H / 512, 1, W * max_tokens)), as DeepEP's
+use_ue8m0 dispatch hands them to DeepGEMM; masked_m [E_loc] int32 (the rows per local expert, recv_count);
+expected_m as DeepEP computes it; topk_ids and topk_weights as given. Combine takes SGLang's DeepEPLLCombineInput (the
 experts' output in that layout, with the ids and weights the dispatch returned) and returns [T, H]:
 sum over k of topk_weights[t, k] times the row of (t, k), in fp32. dispatch_a / dispatch_b and
 combine_a / combine_b split each into the send and the receive, for two-batch overlap; each sub-batch
@@ -27,8 +30,9 @@ as for DeepEP.
 What it cannot honour raises ValueError when SGLang builds the layer, or, for the dispatch dtype,
 when the quantization method sets it after the weights load: DeepEP's normal mode (--deepep-mode
 normal or auto), single-batch overlap, fused shared experts, experts not spread evenly over the group,
-top-k or hidden sizes EPAllToAll refuses, and dispatch dtypes other than bf16 and FP8 in 128-wide
-blocks with fp32 scales (int8, NVFP4, MXFP4, MXFP8, UE8M0 scales).
+top-k or hidden sizes EPAllToAll refuses (a multiple of 512 for "fp8_ue8m0"), and dispatch dtypes other
+than bf16 and FP8 in 128-wide blocks (int8, NVFP4, MXFP4, and MXFP8: SGLang's MXFP8 experts read DeepEP's
+low-latency output, which has no MXFP8 on GPUs, so payload "mxfp8" is refused rather than guessed at).
 
 Elastic mode (EPAllToAll's ``elastic=True``: a rank that stops answering is masked and the others' calls
 complete without its experts) follows SGLang's elastic EP (``--elastic-ep-backend``): SGLang keeps the
@@ -70,7 +74,7 @@ from sglang.srt.layers.moe.utils import (DeepEPMode, DispatcherOutputDtype, get_
 from sglang.srt.runtime_context import get_exec, get_parallel
 
 from ..ep import EPAllToAll, EPHandle, check_config
-from . import FP8_BLOCK, all_to_all, check_local_experts, live_mask, mask_inactive
+from . import FP8_BLOCK, all_to_all, check_local_experts, live_mask, mask_inactive, mn_major
 
 SGLANG_VERSION = "0.5.23"
 ENABLE_VARIABLE = "MOE_EP_SGLANG"  # an EPAllToAll backend: DeepEP's dispatchers become MoeEpDispatchers on it
@@ -129,8 +133,9 @@ class MoeEpDispatcher(BaseDispatcher):
 
     dispatch(hidden_states [T, H], topk_output: StandardTopKOutput, topk_ids [T, K] (-1 = dropped slot)
     and topk_weights [T, K]) -> DeepEPLLDispatchOutput(hidden_states [E_loc, W * T_max, H] FP8 or the
-    layer's dtype, hidden_states_scale [E_loc, W * T_max, H / 128] fp32 or None, topk_ids, topk_weights,
-    masked_m [E_loc] int32, expected_m).
+    layer's dtype, hidden_states_scale [E_loc, W * T_max, H / 128] fp32 ("fp8"), [E_loc, W * T_max, H / 512]
+    int32 MN-major ("fp8_ue8m0") or None, topk_ids, topk_weights, masked_m [E_loc] int32, expected_m).
+    payload: the format dispatch sends (a name of ``moe_ep.formats.FORMATS``; None: the layer's dtype).
     combine(DeepEPLLCombineInput(hidden_states [E_loc, W * T_max, H] layer dtype, topk_ids, topk_weights))
     -> [T, H] layer dtype. The halves: dispatch_a sends, dispatch_b receives and returns the output;
     combine_a sends, combine_b receives and returns the tokens; per sub-batch, in that order. A
@@ -150,7 +155,7 @@ class MoeEpDispatcher(BaseDispatcher):
         self.world = check_local_experts(num_experts, num_local_experts, group)
         self.max_tokens, self.hidden, self.num_experts, self.topk = max_tokens, hidden_size, num_experts, top_k
         self.dtype, self.group, self.backend, self.elastic = params_dtype, group, backend, elastic
-        self.fp8 = self._dispatch_fp8()
+        self.payload = self._dispatch_payload()
         self._ep: EPAllToAll | None = None
         self._stages: dict[int, tuple[str, tuple]] = {}   # sub-batch -> (stage, what the next half needs)
         self._handles: dict[int, EPHandle] = {}           # sub-batch -> the handle of its last dispatch
@@ -162,33 +167,44 @@ class MoeEpDispatcher(BaseDispatcher):
     def set_quant_config(self, quant_config: dict) -> None:
         """SGLang's quantization methods name the dispatch dtype here, after the weights load."""
         super().set_quant_config(quant_config)
-        self.fp8 = self._dispatch_fp8()
+        self.payload = self._dispatch_payload()
         self._ep = None
 
-    def _dispatch_fp8(self) -> bool:
-        """SGLang's choice of DeepEP's low-latency dispatch dtype for this layer: True for FP8 (128-wide
-        blocks, fp32 scales), False for the layer's dtype; ValueError for what moe_ep cannot send."""
+    @property
+    def fp8(self) -> bool:
+        """True where dispatch sends FP8 e4m3 rows with scales ("fp8" or "fp8_ue8m0")."""
+        return self.payload is not None
+
+    def _dispatch_payload(self) -> str | None:
+        """The payload format of SGLang's choice of DeepEP's low-latency dispatch dtype for this layer: None
+        for the layer's dtype (bf16); for FP8 "fp8" (128-wide blocks, fp32 scales), or "fp8_ue8m0" where
+        DeepGEMM takes UE8M0 scales (deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0: SGLang's DeepEP dispatch then
+        rounds the scales up to powers of two and packs them). ValueError naming the format for what moe_ep
+        cannot send: MXFP8 ("mxfp8", by dispatch dtype or by use_mxfp8 experts), and any other dtype."""
         dtype = get_deepep_output_dtype(self)
+        mxfp8 = dtype is DispatcherOutputDtype.MXFP8 or (dtype is DispatcherOutputDtype.FP8
+                                                         and self.quant_config.get("use_mxfp8"))
+        if mxfp8:
+            raise ValueError("these MXFP8 experts ask for payload 'mxfp8' (e4m3, a UE8M0 scale per 32 columns); "
+                             "SGLang's MXFP8 experts read DeepEP's low-latency output, which has no MXFP8 on "
+                             "GPUs, so moe_ep does not send it to them: run with --deepep-dispatcher-output-dtype "
+                             "bf16")
         if dtype not in (DispatcherOutputDtype.BF16, DispatcherOutputDtype.FP8):
             raise ValueError(f"moe_ep dispatches the layer's dtype or FP8 e4m3 in blocks of {FP8_BLOCK}; this "
                              f"layer's dispatch dtype is {dtype.value} (--deepep-dispatcher-output-dtype)")
-        fp8 = dtype is DispatcherOutputDtype.FP8
-        if fp8 and self.quant_config.get("use_mxfp8"):
-            raise ValueError(f"these MXFP8 experts take activations in 32-wide blocks with UE8M0 scales; moe_ep "
-                             f"dispatches FP8 in blocks of {FP8_BLOCK} with fp32 scales")
-        if fp8 and deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0:
-            raise ValueError("DeepGEMM here takes UE8M0 (power-of-two) activation scales; moe_ep dispatches "
-                             "fp32 scales: run with --deepep-dispatcher-output-dtype bf16")
-        check_config(self.max_tokens, self.hidden, self.num_experts, self.topk, self.world, self.dtype, fp8,
-                     FP8_BLOCK, self.backend, elastic=self.elastic)
-        return fp8
+        payload = None
+        if dtype is DispatcherOutputDtype.FP8:
+            payload = "fp8_ue8m0" if deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0 else "fp8"
+        check_config(self.max_tokens, self.hidden, self.num_experts, self.topk, self.world, self.dtype,
+                     payload is not None, FP8_BLOCK, self.backend, elastic=self.elastic, payload=payload)
+        return payload
 
     def all_to_all(self, device: torch.device) -> EPAllToAll:
         """The EPAllToAll of this layer's shape for tokens on `device`, shared with the other layers of that
         shape (collective when the first of them dispatches)."""
         if self._ep is None or self._ep.device != device:
-            self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype, self.fp8,
-                                  self.group, self.backend, device, self.elastic)
+            self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype, False,
+                                  self.group, self.backend, device, self.elastic, self.payload)
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
             self._members = torch.tensor(list(ranks), device=device)
         return self._ep
@@ -238,6 +254,8 @@ class MoeEpDispatcher(BaseDispatcher):
         self._handles[tbo_subbatch_index or 0] = handle
         self._put(tbo_subbatch_index, "dispatched", (handle, topk_ids, topk_weights))
         get_global_expert_distribution_recorder().on_deepep_dispatch_low_latency(recv_count)
+        if self.payload == "fp8_ue8m0":
+            recv_scales = mn_major(recv_scales)
         return DeepEPLLDispatchOutput(recv_x, recv_scales, topk_ids, topk_weights, recv_count, expected_m)
 
     # ------------------------------------------------------------------------------------ combine

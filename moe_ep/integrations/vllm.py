@@ -13,9 +13,13 @@ BACKEND_VARIABLE names ("nvshmem" unless set; "reference": torch.distributed, fo
 experts vLLM's oracle picks for the batched format.
 
 The layout is vLLM's "batched experts" format, which is EPAllToAll's: prepare returns
-recv_x [E_loc, W * max_tokens, H] (FP8 e4m3 with fp32 scales [E_loc, W * max_tokens, H / 128] when
-the quantization config asks for activations in 128-wide blocks, the activations' dtype
-otherwise) and the per-expert counts (recv_count); finalize combines the experts' output into
+recv_x [E_loc, W * max_tokens, H] (FP8 e4m3 with fp32 scales [E_loc, W * max_tokens, H / 128], payload
+"fp8", when the quantization config asks for activations in 128-wide blocks, the activations' dtype
+otherwise) and the per-expert counts (recv_count). Experts that take packed UE8M0 activation scales
+(``supports_packed_ue8m0_act_scales()``: DeepGEMM on Blackwell) get payload "fp8_ue8m0" instead, as DeepEP's
+low-latency prepare/finalize gives them use_ue8m0: the scales are int32 [E_loc, W * max_tokens, H / 512], four
+power-of-two scales packed in each, MN-major (strides (W * max_tokens * H / 512, 1, W * max_tokens)), and H a
+multiple of 512; finalize combines the experts' output into
 vLLM's output tensor, applying the router weights on the way. Prepare and finalize both have an
 async form (the receive runs in the returned hook), and each of vLLM's two micro-batches keeps its
 own dispatch handle; under dual-batch overlap finalize first runs the receive hook the other
@@ -24,8 +28,9 @@ The plugin pads a layer's hidden size to a multiple of 128 (FP8_BLOCK), as vLLM 
 so FP8 dispatch takes any hidden size (2880 -> 2944); vLLM pads the weights and activations.
 
 What it cannot honour raises ValueError when the engine builds it: expert placements other than
-rank r holding experts [r * E_loc, (r + 1) * E_loc) (EPLB, round-robin), packed UE8M0 scales,
-activation quantization other than 128-wide FP8 blocks, monolithic experts, an unquantized input dtype
+rank r holding experts [r * E_loc, (r + 1) * E_loc) (EPLB, round-robin), packed UE8M0 scales over a hidden
+size that is not a multiple of 512, activation quantization other than 128-wide FP8 blocks (the error names
+the format asked for: "mxfp8", "nvfp4", ...), monolithic experts, an unquantized input dtype
 other than the layer's, and apply_router_weight_on_input with top-k > 1; finalize refuses router weights
 other than those its prepare sent (the combine applies those on the experts' ranks).
 
@@ -61,7 +66,8 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_h
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import gated_mlp
-from . import FP8_BLOCK, all_to_all, check_local_experts, elastic_all_to_alls, live_mask
+from ..formats import FORMATS
+from . import FP8_BLOCK, all_to_all, check_local_experts, elastic_all_to_alls, live_mask, mn_major
 
 VLLM_VERSION = "0.33.0"
 BACKEND_NAME = "moe_ep"            # the value of --all2all-backend
@@ -85,16 +91,20 @@ PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
     "fused_moe.oracle.nvfp4", "fused_moe.oracle.mxfp4", "fused_moe.oracle.w4a8", "fused_moe.oracle.w4a8_int8",
     "quantization.modelopt_block_quant", "quantization.utils.humming.moe"))
 
-def wants_fp8_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
-    """True when the experts take FP8 e4m3 activations in 1 x 128 blocks (what dispatch sends); False
-    for unquantized activations; ValueError for any other activation quantization."""
+def dispatch_payload(quant_config: FusedMoEQuantConfig | None) -> str | None:
+    """The payload format dispatch sends for the experts of `quant_config`: "fp8" when they take FP8 e4m3
+    activations in 1 x 128 blocks (post_init_setup makes it "fp8_ue8m0" for experts that take the scales
+    packed); None for unquantized activations (the layer's dtype); ValueError naming the format asked for
+    otherwise ("mxfp8", "nvfp4", FP8 per token or per tensor, int8, ...)."""
     if quant_config is None or quant_config.quant_dtype is None:
-        return False
-    block = quant_config.block_shape
-    if quant_config.quant_dtype == torch.float8_e4m3fn and block is not None and block[1] == FP8_BLOCK:
-        return True
-    raise ValueError(f"moe_ep dispatches unquantized activations or FP8 e4m3 in blocks of {FP8_BLOCK}; the "
-                     f"quantization config asks for {quant_config.quant_dtype} activations with block shape {block}")
+        return None
+    dtype, block = quant_config.quant_dtype, quant_config.block_shape
+    if dtype == torch.float8_e4m3fn and block is not None and block[1] == FP8_BLOCK:
+        return "fp8"
+    asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    raise ValueError(f"moe_ep dispatches unquantized activations or FP8 e4m3 in blocks of {FP8_BLOCK} ('fp8', "
+                     f"'fp8_ue8m0'); the quantization config asks for {asked!r} activations with block shape "
+                     f"{block}")
 
 
 def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig | None,
@@ -120,27 +130,34 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
         raise ValueError(f"moe_ep dispatches the layer's activations ({moe.in_dtype}) unquantized or in FP8; "
                          f"these experts ask for {input_dtype}")
     check_local_experts(moe.num_experts, moe.num_local_experts, group)
-    fp8 = input_dtype is None and wants_fp8_dispatch(quant_config)
-    ep = all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token, moe.in_dtype,
-                    fp8, group, backend, elastic=elastic)
-    return MoeEpPrepareAndFinalize(ep)
+    payload = dispatch_payload(quant_config) if input_dtype is None else None
+
+    def of_payload(payload: str | None) -> EPAllToAll:
+        return all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token,
+                          moe.in_dtype, group=group, backend=backend, elastic=elastic, payload=payload)
+    return MoeEpPrepareAndFinalize(of_payload(payload), of_payload)
 
 
 class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     """vLLM's prepare/finalize over one EPAllToAll (batched experts format, output reduced).
 
     prepare: a1 [T, H], topk_ids / topk_weights [T, K] -> (recv_x [E_loc, W * T_max, H], recv_scales
-    [E_loc, W * T_max, H / 128] fp32 or None, ExpertTokensMetadata(recv_count [E_loc] int32), None, None).
+    [E_loc, W * T_max, H / 128] fp32 ("fp8"), [E_loc, W * T_max, H / 512] int32 MN-major ("fp8_ue8m0": a copy,
+    integrations.mn_major) or None, ExpertTokensMetadata(recv_count [E_loc] int32), None, None).
     finalize: the experts' output [E_loc, W * T_max, H] -> output [T, H], written in place: the sum over
     k of topk_weights[t, k] times the row of (t, k), in fp32. The dispatch outputs stay valid until the
     dispatch after next, so both micro-batches' can be in use at once.
     Over an elastic EPAllToAll the sum leaves out the experts of lost ranks, without renormalizing: lost()
     says which, live_ranks() and mask_ranks() are the all-to-all's.
+    of_payload: the all-to-all of this layer's shape dispatching another payload format (make_prepare_finalize's,
+    by name), which post_init_setup takes for experts that want packed UE8M0 scales; None: such experts are
+    refused.
     """
 
-    def __init__(self, ep: EPAllToAll):
+    def __init__(self, ep: EPAllToAll, of_payload: Callable[[str], EPAllToAll] | None = None):
         super().__init__()
         self.ep = ep
+        self.of_payload = of_payload
         self.handles = [None] * MICRO_BATCHES
         self.weights = [None] * MICRO_BATCHES       # the router weights each micro-batch's prepare sent
         self._checked_maps: set[int] = set()        # data_ptr of expert maps found linear
@@ -182,9 +199,21 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return None if handle is None else handle.lost
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
-        if self.ep.fp8_group and fused_experts.supports_packed_ue8m0_act_scales():
-            raise ValueError(f"{type(fused_experts).__name__} wants packed UE8M0 activation scales; moe_ep "
-                             "dispatches fp32 scales per 128 columns")
+        """vLLM's hook once the experts are chosen: over payload "fp8", experts that want packed UE8M0
+        activation scales (supports_packed_ue8m0_act_scales) get the all-to-all of payload "fp8_ue8m0" (made on
+        first use, collective then; the "fp8" one stays shared, for the layers whose experts take it).
+        ValueError naming "fp8_ue8m0" where it cannot: no of_payload, or H not a multiple of 512."""
+        if self.ep.payload.name != "fp8" or not fused_experts.supports_packed_ue8m0_act_scales():
+            return
+        wants = f"{type(fused_experts).__name__} wants packed UE8M0 activation scales (payload 'fp8_ue8m0')"
+        if self.of_payload is None:
+            raise ValueError(f"{wants}; this prepare/finalize has its 'fp8' all-to-all only: build it with "
+                             "make_prepare_finalize")
+        try:
+            FORMATS["fp8_ue8m0"].check_hidden(self.ep.hidden)
+        except ValueError as error:
+            raise ValueError(f"{wants}: {error} (four scales of 128 columns per int32)") from None
+        self.ep = self.of_payload("fp8_ue8m0")
 
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                       expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
@@ -210,6 +239,8 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             a1.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), return_recv_hook=True)
         self.handles[micro_batch] = handle
         meta = mk.ExpertTokensMetadata(expert_num_tokens=recv_count, expert_num_tokens_cpu=None)
+        if self.ep.payload.name == "fp8_ue8m0":          # DeepGEMM takes packed scales MN-major (after the hook)
+            return hook, lambda: (recv_x, mn_major(recv_scales), meta, None, None)
         return hook, lambda: (recv_x, recv_scales, meta, None, None)
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
