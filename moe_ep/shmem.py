@@ -172,10 +172,15 @@ class SimulatedHeap:
         raise ValueError(f"address {address:#x} is in no simulated rank's symmetric memory")
 
     @classmethod
+    def copy(cls, dest: int, source: int, nbytes: int, pe: int) -> None:
+        """Copy `nbytes` from address `source` to symmetric address `dest` on rank `pe` (a put, at once)."""
+        ctypes.memmove(cls.translate(dest, pe), source, nbytes)
+
+    @classmethod
     def put(cls, dst: torch.Tensor, src: torch.Tensor, pe: int) -> None:
         """``runtime.put_on_stream`` in a simulated world: copy the contiguous `src` into `pe`'s copy of `dst`,
         a view of a simulated rank's symmetric tensor."""
-        ctypes.memmove(cls.translate(dst.data_ptr(), pe), src.data_ptr(), src.numel() * src.element_size())
+        cls.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), pe)
 
 
 def _int(value) -> int:
@@ -184,7 +189,7 @@ def _int(value) -> int:
 
 
 def _emulated_put(dest, source, nbytes, pe):
-    ctypes.memmove(SimulatedHeap.translate(_int(dest), _int(pe)), _int(source), _int(nbytes))
+    SimulatedHeap.copy(_int(dest), _int(source), _int(nbytes), _int(pe))
 
 
 def _emulated_signal(sig_addr, signal, sig_op, pe):

@@ -274,12 +274,22 @@ def _await_peers(ok, stamps, flags, slot, live_peers, rank, world, use, timeout_
 
 
 @triton.jit
-def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, remote, stamps,
+def _finish(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, remote, echo_addr, stamps,
             WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr):
     """Count this program finished; the last one adds 1 to word `offset` of buffer `row` on every rank
-    (with ELASTIC: on every live rank, and on none where this rank's wait failed) that a pointer reaches.
-    Returns the ranks of `remote` (bits) the last one must still signal by puts (``_signal_by_puts``),
-    none in the other programs. With PUTS every program first completes its puts."""
+    (with ELASTIC: on every live rank, and on none where this rank's wait failed): through a pointer, or
+    for the ranks of `remote` (bits) by a put (``_signal_by_puts``)."""
+    far = _finish_pointers(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, remote, stamps,
+                           WORLD_PAD, ELASTIC, TIMING, PUTS)
+    if PUTS:
+        _signal_by_puts(peers, row, offset, far, echo_addr, rank, world, stamps, TIMING)
+
+
+@triton.jit
+def _finish_pointers(finished, uses, use, ok, peers, row, offset, live_peers, rank, world, remote, stamps,
+                     WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr):
+    """``_finish`` up to the ranks a pointer reaches. Returns the ranks of `remote` (bits) the last program
+    must still signal by puts, none in the other programs. With PUTS every program first completes its puts."""
     if PUTS:
         quiet()
     _stamp(stamps, STAMP_WORKED, TIMING)
@@ -355,8 +365,8 @@ def _dispatch_sent(finished, uses, use, ok, peers, stage, live_peers, rank, worl
                    ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr):
     """The end of dispatch's send phase: ``_finish`` signals the ranks a pointer reaches; with PUTS its last
     program then puts the call's metadata to the others and signals them."""
-    far = _finish(finished, uses, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world, remote, stamps,
-                  WORLD_PAD, ELASTIC, TIMING, PUTS)
+    far = _finish_pointers(finished, uses, use, ok, peers, D_ARRIVED, stage, live_peers, rank, world, remote,
+                           stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
     if PUTS:
         _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank,
                          layout_chunks, SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS)
@@ -835,10 +845,8 @@ def dispatch_recv_kernel(
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
                              K_PAD, CHUNK_IDS, WORLD_PAD)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers,
-                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, D_FREED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
+            world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -859,10 +867,8 @@ def combine_send_kernel(
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
                             _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers,
-                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, C_ARRIVED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
+            world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -884,10 +890,8 @@ def combine_recv_kernel(
                             slot, world, max_tokens, hidden, topk, experts_per_rank,
                             _agree(agreed_ptr + slot, use, reached, ELASTIC), RECV_BLOCK_H, K_PAD, WORLD_PAD,
                             ELASTIC)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers,
-                  rank, world, remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, C_FREED, slot * world + rank, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_FREED, slot * world + rank, live_peers, rank,
+            world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
@@ -943,10 +947,8 @@ def dispatch_kernel(
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
                              K_PAD, CHUNK_IDS, WORLD_PAD)
-    far = _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED,
-                  stage, live_peers, rank, world, remote, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, D_FREED, stage, far, echo_addr, rank, world, recv_stamps, TIMING)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
+            live_peers, rank, world, remote, echo_addr, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
@@ -972,10 +974,8 @@ def combine_kernel(
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
                             slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
                             _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
-    far = _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
-                  remote, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, C_ARRIVED, stage, far, echo_addr, rank, world, stamps_ptr, TIMING)
+    _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
+            remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
     recv_stamps = stamps_ptr + RECV_STAMPS
     ok, reached = _await_peers(ok, recv_stamps, arrived_ptr, slot, live_peers, rank, world, use, timeout_ns,
@@ -985,7 +985,5 @@ def combine_kernel(
                             hidden, topk, experts_per_rank, _agree(agreed_ptr + RECV_COUNTERS + slot, use, reached,
                                                                    ELASTIC),
                             RECV_BLOCK_H, K_PAD, WORLD_PAD, ELASTIC)
-    far = _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED,
-                  stage, live_peers, rank, world, remote, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
-    if PUTS:
-        _signal_by_puts(peers, C_FREED, stage, far, echo_addr, rank, world, recv_stamps, TIMING)
+    _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, C_FREED, stage,
+            live_peers, rank, world, remote, echo_addr, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
