@@ -1,7 +1,7 @@
 """The put path on GPUs: every peer reached through NVSHMEM puts and signals (EPAllToAll(puts="all")),
 checked against the reference on NCCL exactly as the pointer path is (tests/test_ep_gpu.py): dispatch
 and combine bit for bit, across configurations, random calls back to back in mixed modes, prefill
-sizes, receive hooks, CUDA graphs and bad input. On one node NVSHMEM's puts go over NVLink (or, with
+sizes, the UE8M0 payload formats, receive hooks, CUDA graphs and bad input. On one node NVSHMEM's puts go over NVLink (or, with
 ranks sharing a GPU, within it); across nodes the same kernels put over the network transport."""
 import os
 
@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from distributed import gpu_worlds, run
 from moe_ep import EPAllToAll
-from test_ep_gpu import SWEEP, _back_to_back, _hooks_graphs_and_errors, _prefill_sized, _sweep
+from test_ep_gpu import (SWEEP, _back_to_back, _hooks_graphs_and_errors, _payload_formats, _prefill_sized,
+                         _sweep)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +29,7 @@ def _put_path(rank, world):
     _sweep(rank, world, SWEEP[:2], puts="all")
     _back_to_back(rank, world, 300, puts="all")
     _prefill_sized(rank, world, puts="all")
+    _payload_formats(rank, world, puts="all")
 
 
 @gpu_worlds
