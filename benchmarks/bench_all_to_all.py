@@ -1,7 +1,7 @@
 """EP dispatch/combine: moe_ep's NVSHMEM kernels against NCCL, in one run.
 
     bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--tokens N,N,...] [--sweep] [--breakdown]
-                                                  [--crossover] [--one-object]
+                                                  [--crossover] [--one-object] [--puts] [--formats]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
@@ -38,6 +38,8 @@ settings (up to 512 tokens) with device timestamps and prints, per rank, where a
 `--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png. `--crossover` first
 builds an object for the largest --tokens and reports where its eager dispatches of the decode tiles
 stop beating the prefill tiles (EPAllToAll.measure_crossover: the bound of mode "auto" it sets).
+`--formats` also times dispatch in each payload format (bf16, fp8, fp8 with UE8M0 scales, MXFP8) at each
+--tokens, on objects of their own, with a row's bytes on the wire and the bytes leaving each GPU.
 `--one-object` times every setting on one object's size, that of the largest --tokens, as an engine
 sizes its object for its longest batch and then runs decode calls on it (otherwise each setting has an
 object of its own size).
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
+from moe_ep.formats import FORMATS
 from moe_ep.routing import hbm_bytes, link_bytes
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, link_floor_us, markdown_table,
                            median_us, row_line)
@@ -359,6 +362,39 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
     return out
 
 
+def payload_formats(tokens: int, iters: int, copy_GBps: float | None, progress: Progress) -> list[dict]:
+    """Dispatch of `tokens` tokens per rank in each payload format of FORMAT_NAMES, on an object of its own:
+    graph and eager medians, a row's bytes on the wire, the bytes leaving this GPU (link_bytes: the busier
+    direction), their link floor and the time over fp8's (the format of every other column)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
+    ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
+    every_rank = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(every_rank, ids)
+    rows = []
+    for name in FORMAT_NAMES:
+        progress.step(f"{name}, {tokens} tokens")
+        fmt = FORMATS[name]
+        ep = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, payload=name)
+        dispatch = lambda: ep.dispatch(x, ids, weights)           # noqa: E731
+        link = link_bytes(every_rank, rank, EXPERTS // world, HIDDEN, row_bytes=fmt.row_bytes(HIDDEN))[0]
+        row = {"tokens": tokens, "format": name, "row_bytes": fmt.row_bytes(HIDDEN), "link_MB": link / 1e6,
+               "dispatch_graph_us": graph_median(dispatch, iters // 4),
+               "dispatch_eager_us": eager_median(dispatch, iters // 2)}
+        if world > 1:
+            row["link_floor_us"] = link_floor_us(link)
+            if copy_GBps:
+                row["copy_floor_us"] = link_floor_us(link, copy_GBps)
+        rows.append(row)
+        ep.destroy()
+    fp8 = next(row for row in rows if row["format"] == "fp8")
+    for row in rows:
+        for how in ("graph", "eager"):
+            row[f"{how}_over_fp8"] = row[f"dispatch_{how}_us"] / fp8[f"dispatch_{how}_us"]
+    return rows
+
+
 def peer_copy_GBps(mb_per_peer: int = 64, iters: int = 10) -> float | None:
     """GB/s leaving this GPU while every rank copies `mb_per_peer` MB to every other rank at once on the
     copy engines (a stream per peer, after a barrier; median): the rate a link-bound op can hope for on
@@ -397,6 +433,9 @@ COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "di
            "dispatch_link_MB", "dispatch_link_GBps", "combine_link_MB", "combine_link_GBps"]
 PUT_COLUMNS = ["tokens"] + [f"{name}{op}_{how}{unit}" for op in ("dispatch", "combine") for how in ("graph", "eager")
                             for name, unit in (("", "_us"), ("put_", "_us"), ("puts_over_pointers_", ""))]
+FORMAT_NAMES = ("bf16", "fp8", "fp8_ue8m0", "mxfp8")      # the payload formats dispatch takes (moe_ep.formats)
+FORMAT_COLUMNS = ["tokens", "format", "row_bytes", "link_MB", "link_floor_us", "copy_floor_us", "dispatch_graph_us",
+                  "graph_over_fp8", "dispatch_eager_us", "eager_over_fp8"]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
                                              for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
 
@@ -480,6 +519,8 @@ def main():
                           breakdown="time each phase of the decode settings with device timestamps",
                           crossover="measure the eager crossover of the decode and prefill tiles on an object for "
                                     "the largest --tokens (EPAllToAll.measure_crossover)",
+                          formats="also time dispatch in each payload format (bf16, fp8, fp8_ue8m0, mxfp8) at "
+                                  "each --tokens, with the bytes that leave each GPU",
                           puts="also time the put path (every peer through NVSHMEM puts: puts='all') beside the "
                                "pointer path (on 2+ ranks)",
                           **{"one-object": "time every setting on objects sized for the largest --tokens"})
@@ -511,6 +552,12 @@ def main():
             with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
                 json.dump({**meta, **results}, f, indent=1)
             p.report("\n".join([row_line(row, COLUMNS, ".1f"), *breakdown_lines(row)]))
+    if args.formats:
+        results["formats"] = []
+        for tokens in sorted(args.tokens):
+            with Progress(f"payload formats, {tokens} tokens per rank") as p:
+                results["formats"] += payload_formats(tokens, args.iters, meta["peer_copy_GBps"], p)
+            torch.cuda.empty_cache()
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
         deepep = beside_deepep(rows, os.path.join(args.out, f"deepep_{world}ranks.json"))
@@ -526,6 +573,9 @@ def main():
         if any("put_dispatch_graph_us" in row for row in rows):
             text += (f"\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and "
                      f"its time over theirs:\n\n{markdown_table(rows, PUT_COLUMNS, '.2f')}\n")
+        if args.formats:
+            text += (f"\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, floors as above; "
+                     f"times over fp8's):\n\n{markdown_table(results['formats'], FORMAT_COLUMNS, '.2f')}\n")
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]

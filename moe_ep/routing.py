@@ -29,11 +29,14 @@ def link_copies(topk_ids: torch.Tensor, experts_per_rank: int, rank: int, world:
 
 
 def link_bytes(topk_ids: list[torch.Tensor], rank: int, experts_per_rank: int, hidden: int,
-               dtype: torch.dtype = torch.bfloat16, fp8_group: int | None = 128) -> tuple[int, int]:
+               dtype: torch.dtype = torch.bfloat16, fp8_group: int | None = 128,
+               row_bytes: int | None = None) -> tuple[int, int]:
     """Bytes that one dispatch and one combine must move over the links of rank `rank`: (dispatch, combine).
 
-    `topk_ids` and the sizes as for ``hbm_bytes``. A link carries each direction at its own rate, so each
-    op counts the larger of what leaves the GPU and what enters it:
+    `topk_ids` and the sizes as for ``hbm_bytes``; `row_bytes`, where given, is a dispatched row's bytes (a
+    payload format's ``row_bytes(hidden)``) in place of FP8 with fp32 scales per `fp8_group` columns, or x
+    as it is. A link carries each direction at its own rate, so each op counts the larger of what leaves
+    the GPU and what enters it:
 
         sent      (token of this rank, other rank) pairs, one per other rank the token's experts live on
         received  (token of another rank, this rank) pairs
@@ -46,8 +49,9 @@ def link_bytes(topk_ids: list[torch.Tensor], rank: int, experts_per_rank: int, h
     routed = [_ranks_routed(i, experts_per_rank, world) for i in ids]
     sent = int(routed[rank].sum() - routed[rank][:, rank].sum())
     received = sum(int(r[:, rank].sum()) for source, r in enumerate(routed) if source != rank)
-    row = hidden + 4 * (hidden // fp8_group) if fp8_group else hidden * dtype.itemsize
-    return max(sent, received) * (row + 8 * topk), max(sent, received) * hidden * dtype.itemsize
+    if row_bytes is None:
+        row_bytes = hidden + 4 * (hidden // fp8_group) if fp8_group else hidden * dtype.itemsize
+    return max(sent, received) * (row_bytes + 8 * topk), max(sent, received) * hidden * dtype.itemsize
 
 
 def _ranks_routed(topk_ids: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:

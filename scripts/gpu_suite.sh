@@ -10,9 +10,9 @@
 #             (see below); cold, over 575 s (benchmarks/NOTES.md, "The quick GPU suite").
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep), the tutorials, and the
-#             EP (DeepEP beside us, where .deepep/ holds its source), MoE-layer and async-TP benchmarks at every
-#             GPU; the tests and the tutorials run side by side (the GPUs time-slice between the jobs), the
-#             benchmarks one at a time, alone
+#             EP (DeepEP beside us, where .deepep/ holds its source; the put path beside the pointer path),
+#             MoE-layer and async-TP benchmarks at every GPU; the tests and the tutorials run side by side (the
+#             GPUs time-slice between the jobs), the benchmarks one at a time, alone
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
@@ -186,27 +186,31 @@ for part in $parts; do
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
       step bench_grouped 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --grouped --out "$out" ;;
     multi)
-      # Three lanes of jobs side by side, a rank on every GPU: EP and NVSHMEM's wrappers, then elastic EP; async
-      # TP, the MoE layer and quant, then the engines; the tutorials; DeepEP's build on the CPUs beside them.
-      # Then the benchmarks, one at a time on an otherwise idle machine. Limits: 1.5-2x each step's time on
-      # 4 x H200 (benchmarks/NOTES.md, "On 2 and 4 GPUs").
+      # Five lanes of jobs side by side, a rank on every GPU (the GPUs time-slice between the jobs; their
+      # compiles share the CPUs): the EP file; the put path and NVSHMEM's wrappers, then the engines; async TP,
+      # the MoE layer and quant; the tutorials; elastic EP; DeepEP's build on the CPUs beside them. Then the
+      # benchmarks, one at a time on an otherwise idle machine (EP's with 50 repetitions a decode setting, 12 at
+      # prefill). Limits: 1.5-2x each step's time on 4 x H200 (benchmarks/NOTES.md, "On 2 and 4 GPUs").
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
-      lane multi_ep 480 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
-        tests/test_ep_gpu.py tests/test_ep_puts_gpu.py tests/test_shmem_gpu.py --and-then multi_elastic 240 python3 -m pytest -q -rs -s -m gpu \
-        tests/test_ep_elastic.py
+      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_ep_gpu.py
+      lane multi_puts 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
+        -m gpu tests/test_ep_puts_gpu.py tests/test_shmem_gpu.py --and-then engine_tests 240
       lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
-        tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py --and-then engine_tests 240
+        tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py
       lane tutorial01 90 bash launch.sh tutorials/01-ring-exchange.py \
         --and-then tutorial02 120 bash launch.sh tutorials/02-ep-all-to-all.py \
         --and-then tutorial03 150 bash launch.sh tutorials/03-swap-moe-into-a-model.py \
         --and-then tutorial04 150 bash launch.sh tutorials/04-async-tp.py \
         --and-then tutorial06 180 bash launch.sh --nproc 4 tutorials/06-elastic-ep.py
+      lane multi_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      lanes_passed multi_ep multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 tutorial04 tutorial06
+      lanes_passed multi_ep multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 tutorial04 \
+        tutorial06
       deepep_bench
-      step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts
+      step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50
       step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out"
       step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
     deepep) deepep_build step
