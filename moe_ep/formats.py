@@ -159,16 +159,26 @@ class PayloadFormat:
 
     def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None,
                    tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(payload, scales as ``quantize`` returns them, tensor_scale for nvfp4) -> float32 [..., H]."""
+        """(payload, scales as ``quantize`` returns them, tensor_scale for nvfp4) -> float32 [..., H]. The scales
+        may have any strides (MN-major as ``integrations.mn_major`` lays them out, a slice, a transpose)."""
         if self.scale == "none":
             return q.float()
         if self.scale == "fp32":
             return dequantize_rows_fp8(q, scales, self.group)
         if self.scale == "ue8m0":
-            return dequantize_rows_ue8m0(q, scales.contiguous().view(torch.uint8), self.group)
+            return dequantize_rows_ue8m0(q, self._exponents(scales), self.group)
         if tensor_scale is None:
             raise ValueError(f"format {self.name!r} needs the tensor_scale its payload was quantized with")
         return dequantize_rows_nvfp4(q, scales, tensor_scale, self.group)
+
+    def _exponents(self, scales: torch.Tensor) -> torch.Tensor:
+        """UE8M0 scales [..., G / scale_pack] scale_dtype, of any strides -> their biased exponents [..., G]
+        uint8 in group order: item j's bits 8i to 8i + 7 are group scale_pack * j + i's (read by shifts, not by
+        viewing the bytes, which needs the last dimension of stride 1)."""
+        if self.scale_pack == 1:
+            return scales.view(torch.uint8)          # float8_e8m0fnu: a view of the same width takes any strides
+        shifts = torch.arange(0, 8 * self.scale_pack, 8, dtype=scales.dtype, device=scales.device)
+        return ((scales[..., None] >> shifts) & 0xFF).flatten(-2).to(torch.uint8)
 
 
 FP8_GROUP = 128      # columns per scale of "fp8" and "fp8_ue8m0": DeepEP's and DeepGEMM's per-token FP8 group

@@ -171,6 +171,36 @@ def test_nan_and_inf(name):
         assert torch.equal(scale, fmt.tensor_scale_of(x.nan_to_num(0.0, 0.0, 0.0)))
 
 
+def _layouts(scales):
+    """The same logical scales [T, G] (T even) in other layouts: MN-major (strides (1, T), what
+    integrations.mn_major hands to engines; for G = 1 a size-1 last dimension of stride T), a column slice of a
+    wider tensor at an offset, and [2, T / 2, G] MN-major per expert, the receive buffer's shape."""
+    bits = scales.view(torch.int32 if scales.element_size() == 4 else torch.uint8)   # copy_ on every dtype
+    rows, groups = bits.shape
+    mn = torch.empty(groups, rows, dtype=bits.dtype, device=bits.device).t().copy_(bits)
+    wide = torch.zeros(rows, groups + 3, dtype=bits.dtype, device=bits.device)[:, 1:groups + 1].copy_(bits)
+    per_expert = torch.empty(2, groups, rows // 2, dtype=bits.dtype, device=bits.device).transpose(1, 2)
+    per_expert.copy_(bits.view(2, rows // 2, groups))
+    return [(layout.view(scales.dtype), reshape) for layout, reshape in
+            ((mn, False), (wide, False), (per_expert, True))]
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_dequantize_takes_scales_of_any_strides(name):
+    """Scales laid out otherwise than quantize returns them (one scales item per row, G = 1, included: H = 512
+    for fp8_ue8m0's int32 of four UE8M0 bytes) dequantize to the same values as the row-major ones."""
+    fmt = FORMATS[name]
+    for hidden in (fmt.hidden_multiple, 1024):
+        x = random_rows(6, 1024, 10)[:, :hidden].contiguous()
+        scale = _tensor_scale(fmt, x)
+        q, scales = fmt.quantize(x, scale)
+        expected = fmt.dequantize(q, scales, scale)
+        for layout, per_expert in _layouts(scales):
+            assert layout.stride() != torch.empty(layout.shape).stride()
+            got = fmt.dequantize(q.view(2, 3, -1) if per_expert else q, layout, scale)
+            assert torch.equal(got.view(expected.shape), expected), (hidden, layout.shape, layout.stride())
+
+
 def _group_amax(x, group):
     return x.unflatten(-1, (-1, group)).abs().amax(-1).repeat_interleave(group, -1)
 

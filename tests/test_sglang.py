@@ -269,8 +269,7 @@ def _ue8m0_dispatch(rank, world):
             scales = out.hidden_states_scale
             assert out.hidden_states.dtype == torch.float8_e4m3fn and scales.dtype == torch.int32
             assert scales.shape == (EXPERTS // world, rows, hidden // 512) and scales.stride() == (rows, 1, rows)
-            row_major = scales.clone(memory_format=torch.contiguous_format)
-            decoded = FORMATS["fp8_ue8m0"].dequantize(out.hidden_states, row_major).to(x.dtype)
+            decoded = FORMATS["fp8_ue8m0"].dequantize(out.hidden_states, scales).to(x.dtype)
             y = dispatcher.combine(combine_input=run_experts(out._replace(hidden_states=decoded,
                                                                           hidden_states_scale=None),
                                                              w13[mine], w2[mine], x.dtype))

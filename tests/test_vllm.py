@@ -16,7 +16,8 @@ for every rank's tokens, what the same kernel gives with vLLM's BatchedPrepareAn
 on the rank (no all-to-all), within fp32 rounding; the per-expert counts are the reference's summed over
 ranks; apply_router_weight_on_input; zero tokens on a rank; dropped slots (-1).
 The same experts (GroupedGemmExperts: plain torch off the GPU) run on both sides. FP8 dispatch, and payload
-"fp8_ue8m0" (int32 scales, MN-major) for experts that take packed UE8M0 scales. Also what is refused.
+"fp8_ue8m0" (int32 scales, MN-major) for experts that take packed UE8M0 scales, whose layers build no "fp8"
+all-to-all. Also what is refused.
 
 Elastic mode (CPU): make_prepare_finalize(..., elastic=True) builds the shared all-to-all elastic; a
 simulated world of 3 ranks (EPAllToAll.simulated, kernels in the Triton interpreter) through
@@ -169,20 +170,16 @@ class UE8M0Experts(moe_ep_vllm.GroupedGemmExperts):
 
 def _ue8m0_dispatch(rank, world):
     """Experts that take packed UE8M0 scales get payload "fp8_ue8m0": int32 scales [E_loc, W * T_max, H / 512],
-    MN-major, decoding to the rows "fp8" sends (within both roundings); the "fp8" all-to-all of the shape stays
-    shared for other experts."""
+    MN-major, decoding to the rows "fp8" sends (within both roundings)."""
     topk, hidden = 2, 512
     quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
     config = moe_config(world, rank, topk, hidden=hidden)
     prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
-    fp8 = prepare_finalize.ep
-    assert fp8.payload.name == "fp8"
-    kernel = mk.FusedMoEKernel(prepare_finalize, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS,
-                                                              num_dispatchers=world))
-    ep = kernel.prepare_finalize.ep
+    mk.FusedMoEKernel(prepare_finalize, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
+    ep = prepare_finalize.ep
     assert ep.payload.name == "fp8_ue8m0" and ep is moe_ep_vllm.all_to_all(
         MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, backend="reference", payload="fp8_ue8m0")
-    assert moe_ep_vllm.all_to_all(MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, True, None, "reference") is fp8
+    fp8 = moe_ep_vllm.all_to_all(MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, True, None, "reference")
     w1, w2, x, ids, weights = inputs(rank, 5, topk, drop=True, hidden=hidden)
     recv_x, scales, meta, _, _ = prepare_finalize.prepare(x, weights, ids, EXPERTS, None, False, quant)
     rows = world * MAX_TOKENS
@@ -193,10 +190,37 @@ def _ue8m0_dispatch(rank, world):
         x, weights, ids, EXPERTS, None, False, quant)
     assert torch.equal(meta.expert_num_tokens, fp8_meta.expert_num_tokens)
     for e, count in enumerate(meta.expert_num_tokens.tolist()):
-        row_major = scales[e, :count].clone(memory_format=torch.contiguous_format)   # view()'s strides with G = 1
-        got = FORMATS["fp8_ue8m0"].dequantize(recv_x[e, :count], row_major)
+        got = FORMATS["fp8_ue8m0"].dequantize(recv_x[e, :count], scales[e, :count])
         sent = FORMATS["fp8"].dequantize(fp8_x[e, :count], fp8_scales[e, :count])
         assert (got - sent).norm() <= 0.1 * sent.norm()              # two e4m3 roundings of the same rows
+
+
+def _ue8m0_layers_build_one_all_to_all(rank, world):
+    """vLLM builds a layer's prepare/finalize before it chooses the experts: layers whose experts want packed
+    UE8M0 scales build the "fp8_ue8m0" all-to-all of their shape alone (no "fp8" one holding symmetric buffers
+    for nothing), all of them the same one; layers of that shape whose experts take "fp8" share the "fp8" one."""
+    hidden = 1024
+    quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    config = moe_config(world, rank, 2, hidden=hidden)
+
+    def layer(experts_class):
+        prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
+        mk.FusedMoEKernel(prepare_finalize, experts_class(config, quant, max_num_tokens=MAX_TOKENS,
+                                                          num_dispatchers=world))
+        return prepare_finalize.ep
+
+    def built():
+        return sorted(ep.payload.name for ep in integrations._ALL_TO_ALLS.values() if ep.hidden == hidden)
+    ue8m0 = [layer(UE8M0Experts) for _ in range(2)]
+    assert ue8m0[0] is ue8m0[1] and ue8m0[0].payload.name == "fp8_ue8m0"
+    assert built() == ["fp8_ue8m0"]
+    fp8 = [layer(moe_ep_vllm.GroupedGemmExperts) for _ in range(2)]
+    assert fp8[0] is fp8[1] and fp8[0].payload.name == "fp8"
+    assert built() == ["fp8", "fp8_ue8m0"]
+
+
+def test_ue8m0_layers_build_one_all_to_all():
+    run(_ue8m0_layers_build_one_all_to_all, 2)
 
 
 def _fp8_dispatches(rank, world):
@@ -245,6 +269,8 @@ def _refusals(rank, world):
                                                                        True, None, "reference"))
     with pytest.raises(ValueError, match="payload 'fp8_ue8m0'.*its 'fp8' all-to-all only"):
         mk.FusedMoEKernel(alone, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
+    with pytest.raises(ValueError, match="takes an EPAllToAll, or of_payload and the layer's moe config"):
+        moe_ep_vllm.MoeEpPrepareAndFinalize(of_payload=lambda payload: alone.ep)
     for asked, quant in (("mxfp8", FusedMoEQuantConfig.make(quant_dtype="mxfp8")),
                          ("float8_e4m3fn", FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn,
                                                                     block_shape=[128, 64]))):

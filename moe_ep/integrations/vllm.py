@@ -93,9 +93,9 @@ PREPARE_FINALIZE_USERS = tuple(f"vllm.model_executor.layers.{m}" for m in (
 
 def dispatch_payload(quant_config: FusedMoEQuantConfig | None) -> str | None:
     """The payload format dispatch sends for the experts of `quant_config`: "fp8" when they take FP8 e4m3
-    activations in 1 x 128 blocks (post_init_setup makes it "fp8_ue8m0" for experts that take the scales
-    packed); None for unquantized activations (the layer's dtype); ValueError naming the format asked for
-    otherwise ("mxfp8", "nvfp4", FP8 per token or per tensor, int8, ...)."""
+    activations in 1 x 128 blocks (post_init_setup makes it "fp8_ue8m0", before the all-to-all is built, for
+    experts that take the scales packed); None for unquantized activations (the layer's dtype); ValueError
+    naming the format asked for otherwise ("mxfp8", "nvfp4", FP8 per token or per tensor, int8, ...)."""
     if quant_config is None or quant_config.quant_dtype is None:
         return None
     dtype, block = quant_config.quant_dtype, quant_config.block_shape
@@ -112,7 +112,8 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
                           placement: str = "linear", input_dtype: torch.dtype | None = None,
                           use_monolithic: bool = False, elastic: bool = False) -> MoeEpPrepareAndFinalize:
     """The prepare/finalize of one vLLM MoE layer over the EPAllToAll of its shape on `group` (the
-    engine's EP group), elastic when `elastic` (nvshmem backend only). input_dtype (vLLM's factory
+    engine's EP group), elastic when `elastic` (nvshmem backend only), of the payload post_init_setup settles
+    once vLLM has chosen the experts, built then (or at first use). input_dtype (vLLM's factory
     argument: the all-to-all carries unquantized activations of that dtype, the experts quantize) must be
     the layer's dtype. routing_tables (EPLB's physical/logical maps), a placement other than "linear" and
     monolithic experts are refused."""
@@ -135,7 +136,7 @@ def make_prepare_finalize(moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig
     def of_payload(payload: str | None) -> EPAllToAll:
         return all_to_all(moe.max_num_tokens, moe.hidden_dim, moe.num_experts, moe.experts_per_token,
                           moe.in_dtype, group=group, backend=backend, elastic=elastic, payload=payload)
-    return MoeEpPrepareAndFinalize(of_payload(payload), of_payload)
+    return MoeEpPrepareAndFinalize(of_payload=of_payload, payload=payload, moe=moe)
 
 
 class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -149,18 +150,35 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     dispatch after next, so both micro-batches' can be in use at once.
     Over an elastic EPAllToAll the sum leaves out the experts of lost ranks, without renormalizing: lost()
     says which, live_ranks() and mask_ranks() are the all-to-all's.
-    of_payload: the all-to-all of this layer's shape dispatching another payload format (make_prepare_finalize's,
-    by name), which post_init_setup takes for experts that want packed UE8M0 scales; None: such experts are
-    refused.
+    Over `ep`, or over of_payload(payload): the all-to-all of this layer's shape (that of `moe`) dispatching a
+    payload format (make_prepare_finalize's, by name), built by post_init_setup once the experts are chosen (or
+    at first use), so that a layer builds only the one it dispatches over: "fp8_ue8m0" for experts that want
+    packed UE8M0 scales. Without of_payload such experts are refused.
     """
 
-    def __init__(self, ep: EPAllToAll, of_payload: Callable[[str], EPAllToAll] | None = None):
+    def __init__(self, ep: EPAllToAll | None = None, of_payload: Callable[[str | None], EPAllToAll] | None = None,
+                 payload: str | None = None, moe: FusedMoEConfig | None = None):
         super().__init__()
-        self.ep = ep
+        if ep is None and (of_payload is None or moe is None):
+            raise ValueError("MoeEpPrepareAndFinalize takes an EPAllToAll, or of_payload and the layer's moe config")
+        self._ep = ep
         self.of_payload = of_payload
+        self.payload = payload if ep is None else ep.payload.name     # the format's name; None: the layer's dtype
+        self.max_tokens, self.hidden, self.world = ((moe.max_num_tokens, moe.hidden_dim,
+                                                     moe.num_experts // moe.num_local_experts) if ep is None else
+                                                    (ep.max_tokens, ep.hidden, ep.world))
         self.handles = [None] * MICRO_BATCHES
         self.weights = [None] * MICRO_BATCHES       # the router weights each micro-batch's prepare sent
         self._checked_maps: set[int] = set()        # data_ptr of expert maps found linear
+
+    @property
+    def ep(self) -> EPAllToAll:
+        """The EPAllToAll this layer dispatches over (built on first use when the constructor had none)."""
+        return self._build()
+
+    @ep.setter
+    def ep(self, ep: EPAllToAll) -> None:
+        self._ep = ep
 
     @property
     def activation_format(self) -> mk.FusedMoEActivationFormat:
@@ -170,10 +188,10 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return None                                 # int32 and int64 both dispatch as they are
 
     def max_num_tokens_per_rank(self) -> int | None:
-        return self.ep.max_tokens
+        return self.max_tokens                      # asked before post_init_setup: builds nothing
 
     def num_dispatchers(self) -> int:
-        return self.ep.world
+        return self.world
 
     def output_is_reduced(self) -> bool:
         return True
@@ -199,21 +217,29 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return None if handle is None else handle.lost
 
     def post_init_setup(self, fused_experts: mk.FusedMoEExperts) -> None:
-        """vLLM's hook once the experts are chosen: over payload "fp8", experts that want packed UE8M0
-        activation scales (supports_packed_ue8m0_act_scales) get the all-to-all of payload "fp8_ue8m0" (made on
-        first use, collective then; the "fp8" one stays shared, for the layers whose experts take it).
-        ValueError naming "fp8_ue8m0" where it cannot: no of_payload, or H not a multiple of 512."""
-        if self.ep.payload.name != "fp8" or not fused_experts.supports_packed_ue8m0_act_scales():
-            return
-        wants = f"{type(fused_experts).__name__} wants packed UE8M0 activation scales (payload 'fp8_ue8m0')"
-        if self.of_payload is None:
-            raise ValueError(f"{wants}; this prepare/finalize has its 'fp8' all-to-all only: build it with "
-                             "make_prepare_finalize")
-        try:
-            FORMATS["fp8_ue8m0"].check_hidden(self.ep.hidden)
-        except ValueError as error:
-            raise ValueError(f"{wants}: {error} (four scales of 128 columns per int32)") from None
-        self.ep = self.of_payload("fp8_ue8m0")
+        """vLLM's hook once the experts are chosen: settles the payload and builds the all-to-all of this layer's
+        shape and payload (collective; shared with the layers of the same, as integrations.all_to_all makes
+        them). Over payload "fp8", experts that want packed UE8M0 activation scales
+        (supports_packed_ue8m0_act_scales) get payload "fp8_ue8m0" instead; no "fp8" all-to-all is built for
+        them. ValueError naming "fp8_ue8m0" where it cannot: no of_payload, or H not a multiple of 512."""
+        if self.payload == "fp8" and fused_experts.supports_packed_ue8m0_act_scales():
+            wants = f"{type(fused_experts).__name__} wants packed UE8M0 activation scales (payload 'fp8_ue8m0')"
+            if self.of_payload is None:
+                raise ValueError(f"{wants}; this prepare/finalize has its 'fp8' all-to-all only: build it with "
+                                 "make_prepare_finalize")
+            try:
+                FORMATS["fp8_ue8m0"].check_hidden(self.hidden)
+            except ValueError as error:
+                raise ValueError(f"{wants}: {error} (four scales of 128 columns per int32)") from None
+            self.payload, self._ep = "fp8_ue8m0", None
+        self._build()                               # while vLLM builds the model, not in its first forward
+
+    def _build(self) -> EPAllToAll:
+        """The all-to-all of this layer's shape and payload: of_payload(payload), built now (collective, shared
+        per shape and payload: integrations.all_to_all) unless it is already."""
+        if self._ep is None:
+            self._ep = self.of_payload(self.payload)
+        return self._ep
 
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                       expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
