@@ -4,7 +4,8 @@
 
 Each file becomes one section headed by where and when it ran (device, ranks, date, torch and
 triton versions, and the machine and command where the file records them), newest first. EP all-to-all files (bench_all_to_all.py) get their latency table, the NCCL
-baselines, the eager crossover (--crossover) and the per-phase breakdown; any other file gets a table
+baselines, DeepEP's columns, the put path (--puts), the payload formats (--formats), the eager crossover
+(--crossover) and the per-phase breakdown; any other file gets a table
 of the scalar columns of each list of rows it holds ('-' where a row has no such entry).
 """
 import json
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_all_to_all import DEEPEP_COLUMNS, crossover_line  # noqa: E402
+from bench_all_to_all import DEEPEP_COLUMNS, FORMAT_COLUMNS, PUT_COLUMNS, crossover_line  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
 EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_link_floor_us",
@@ -53,6 +54,12 @@ def ep_section(data: dict) -> str:
     if any("deepep_mode" in row for row in rows):
         text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
                  "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f") + "\n")
+    if any("put_dispatch_graph_us" in row for row in rows):
+        text += ("\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and its time "
+                 "over theirs:\n\n" + markdown_table(rows, PUT_COLUMNS, ".2f") + "\n")
+    if data.get("formats"):
+        text += ("\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, its link floors; times "
+                 "over fp8's):\n\n" + markdown_table(data["formats"], FORMAT_COLUMNS, ".2f") + "\n")
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []
