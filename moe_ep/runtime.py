@@ -109,10 +109,12 @@ class CommObject:
     moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `world`, `backend`,
     `timeout_s`, and TAGS (status tag -> what was waited for).
 
-    A subclass whose calls are kernels waiting on each other (no collective agrees on them) may open a
-    refusal board (``_open_refusals``): a rank that refuses a call writes why into its row of every peer's
-    board (``_tell_refusal``), and a peer whose wait for it then times out raises CallRefusedError naming
-    it (``_raise_refused``) instead of the bare CommTimeoutError.
+    A call is checked by ``_check_call`` before anything runs. Where the calls are host collectives, every
+    rank's verdict on each is exchanged (``_agree``). A subclass whose calls are kernels waiting on each
+    other (no collective agrees on them) opens a refusal board (``_open_refusals``): a rank that refuses a
+    call writes why into its row of every peer's board (``_tell_refusal``), and a peer whose wait for it
+    then times out raises CallRefusedError naming it (``_raise_refused``) instead of the bare
+    CommTimeoutError.
     """
 
     TAGS: dict[int, str] = {}
@@ -140,6 +142,29 @@ class CommObject:
                     for rank, row in enumerate(verdicts.view(-1, self.VERDICT_BYTES)) if row[0]}
         if refusals:
             raise CallRefusedError(what, refusals) from refusal
+
+    def _check_call(self, what: str, check, *args, agreed: bool = False) -> None:
+        """This rank's checks of its next call of `what` (a name of CALLS), before anything runs: what an
+        earlier call left (``_raise_if_failed``), then check(*args), which raises ValueError for a bad argument.
+        Where a collective agrees on every call (`agreed`: the calls are host collectives), every rank's verdict
+        on it follows (``_agree``: CallRefusedError on every rank if any rank refused). Otherwise a refusal
+        is told to the peers (``_tell_refusal``, a no-op without a board) and raised, unless it only reports
+        peers' refusals (CallRefusedError)."""
+        try:
+            self._raise_if_failed()
+            if not agreed:
+                check(*args)
+                return
+            refusal = None
+            try:
+                check(*args)
+            except ValueError as error:
+                refusal = error
+            self._agree(what, refusal)
+        except ValueError as refusal:
+            if not agreed and not isinstance(refusal, CallRefusedError):
+                self._tell_refusal(what, self._calls()[what] + 1, refusal)
+            raise
 
     def _configure_on_every_rank(self, what: str, configure, settings: dict, group, backend: str, device) -> None:
         """A constructor's checks, agreed by every rank: configure() (which raises ValueError for a bad

@@ -5,6 +5,7 @@
                                       # (shared-GPU mode, under CUDA MPS); NVSHMEM finalized at the end
     run(fn, world, *args, lost=(3,))  # rank 3 dies on the way, by die(); nobody tears down, since
                                       # NVSHMEM's finalize and the group's barrier would wait for it
+    refused_on_rank_0(comm, refuse, call, message, within_s)   # a call rank 0 refuses ends on rank 1
 
 GPU tests run at each world size of GPU_WORLDS: every visible GPU (up to 8), or on one GPU 2 and 4
 ranks sharing it; MOE_EP_TEST_WORLDS (e.g. "8" or "2,4") overrides.
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_ep import mps, runtime
+from moe_ep import CallRefusedError, CommTimeoutError, mps, runtime
 
 GPUS = torch.cuda.device_count()
 GPU_WORLDS = [int(w) for w in os.environ.get("MOE_EP_TEST_WORLDS", "").split(",") if w] or (
@@ -45,6 +46,29 @@ def die() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(DIED)
+
+
+def refused_on_rank_0(comm, refuse, call, message: str, within_s: float) -> None:
+    """A call that rank 0 refuses ends on rank 1 (of two, the nvshmem backend): on `comm` (an EPAllToAll or
+    AsyncTP whose kernels a first call compiled), rank 0's refuse() raises its own ValueError, rank 1 makes
+    the call (call()) and its comm.check() raises CallRefusedError matching `message` and naming rank 0
+    alone, within `within_s` of the call; from then on its call() says what broke it. Then every rank
+    destroys `comm`."""
+    if comm.rank == 0:
+        with pytest.raises(ValueError) as refused:
+            refuse()
+        assert type(refused.value) is ValueError
+    else:
+        started = time.monotonic()
+        call()
+        with pytest.raises(CallRefusedError, match=message) as refused:
+            comm.check()
+        elapsed = time.monotonic() - started
+        assert list(refused.value.refusals) == [0] and elapsed < within_s, (refused.value.refusals, elapsed)
+        with pytest.raises(CommTimeoutError, match="refused by rank 0"):
+            call()
+    dist.barrier()
+    comm.destroy()
 
 
 def _worker(fn, rank, world, folder, gpu, args, failed, teardown):

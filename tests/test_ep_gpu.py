@@ -7,15 +7,14 @@ multiply-adds.
 """
 import os
 import random
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from cases import expert_fn, make_inputs
-from distributed import gpu_worlds, run
-from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, reference
+from distributed import gpu_worlds, refused_on_rank_0, run
+from moe_ep import CommTimeoutError, EPAllToAll, reference
 from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import MODES
 from moe_ep.routing import random_topk
@@ -240,29 +239,12 @@ def test_timeout_raises(world):
 
 def _refused_on_rank_0(refuse, call, message: str) -> None:
     """On a fresh object (timeout_s=2, its kernels compiled by a first call): rank 0 refuses a call
-    (refuse(ep, inputs): its own ValueError), rank 1 makes it (call(ep, inputs)), and rank 1's check() raises
-    CallRefusedError matching `message` within two waits of timeout_s and a second; from then on its object says what
-    broke it. Then every rank destroys it."""
+    (refuse(ep, inputs)) that rank 1 makes (call(ep, inputs)), which ends on rank 1 in CallRefusedError
+    matching `message` within two waits of timeout_s and a second (``distributed.refused_on_rank_0``)."""
     ep = EPAllToAll(8, 256, 8, 2, timeout_s=2.0)
-    rank = ep.rank
-    inputs = make_inputs(rank, [8, 6], 256, 8, 2, seed=6, device="cuda")
+    inputs = make_inputs(ep.rank, [8, 6], 256, 8, 2, seed=6, device="cuda")
     check_call(ep, *inputs)
-    if rank == 0:
-        with pytest.raises(ValueError) as refused:
-            refuse(ep, inputs)
-        assert type(refused.value) is ValueError
-    else:
-        started = time.monotonic()
-        call(ep, inputs)
-        with pytest.raises(CallRefusedError, match=message) as refused:
-            ep.check()
-        elapsed = time.monotonic() - started     # a call's waits are in at most two launches, each bounded
-        assert list(refused.value.refusals) == [0] and elapsed < 2 * ep.timeout_s + 1, (refused.value.refusals,
-                                                                                          elapsed)
-        with pytest.raises(CommTimeoutError, match="refused by rank 0"):
-            ep.dispatch(*inputs)
-    dist.barrier()
-    ep.destroy()
+    refused_on_rank_0(ep, lambda: refuse(ep, inputs), lambda: call(ep, inputs), message, 2 * ep.timeout_s + 1)
 
 
 def _refusals(rank, world):

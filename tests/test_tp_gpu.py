@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cases import llama_mlp
-from distributed import gpu_worlds, run
+from distributed import gpu_worlds, refused_on_rank_0, run
 from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
 from moe_ep.collectives import all_reduce, reduce_scatter_tensor
 
@@ -171,6 +171,19 @@ def _timeout_raises(rank, world):
     tp.destroy()
 
 
+def _refusal(rank, world):
+    """Rank 0 refuses an ag_gemm (a row too many) that rank 1 makes, on the fused path (its kernels compiled by
+    a first call of both): rank 1's call times out in its barrier, then in its wait for rank 0's shard, and
+    check() raises CallRefusedError naming rank 0 and why (``distributed.refused_on_rank_0``)."""
+    tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=2.0)
+    a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=4)
+    expect("ag_gemm", tp.ag_gemm(a, w), a, w, lambda m: f"before the refusal: {m}")
+    too_many = torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda")
+    refused_on_rank_0(tp, lambda: tp.ag_gemm(too_many, w), lambda: tp.ag_gemm(a, w),
+                      rf"^ag_gemm call 2 refused by rank 0: ag_gemm: M={world * 65} exceeds this AsyncTP's "
+                      rf"max_rows={world * 64}", 2 * tp.timeout_s + 1)
+
+
 def grads_close(got, expected, what, tol=2e-2):
     """bf16 gradients against fp32 ones: max |got - expected| <= tol * max |expected| (bf16 rounds
     each activation and product to 2**-8 relative; sums over thousands of rows average it out)."""
@@ -250,3 +263,7 @@ def test_kernels_match_reference(path, world):
 @gpu_worlds
 def test_async_tp(body, world):
     run(body, world, gpu=True)
+
+
+def test_a_refused_call_fails_on_every_rank():
+    run(_refusal, 2, gpu=True, timeout=300)

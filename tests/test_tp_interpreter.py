@@ -198,6 +198,23 @@ def test_all_reduce_partials_that_never_land_time_out():
         ranks[0].check()
 
 
+def test_the_barrier_waits_for_every_rank_to_begin_the_call():
+    """Each overlapped call's barrier (the reset kernel) holds a rank until every rank has begun the call,
+    for at most timeout_s: rank 0, alone at it, times out naming rank 1; rank 1, second, passes at once."""
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    for tp in ranks:
+        tp.buffers.shard_flags.fill_(1)
+    ranks[0].launches.reset("shard_flags", 2)
+    with pytest.raises(CommTimeoutError, match=r"^rank 0: async-TP call's barrier \(waiting for a peer to begin the "
+                                               r"call\) timed out after 0.2s waiting for rank 1 \(signal count 0, "
+                                               r"expected 1\)$"):
+        ranks[0].check()
+    ranks[1].launches.reset("shard_flags", 2)
+    ranks[1].check()
+    for tp in ranks:                                   # every rank's flags zeroed, every call counted on both
+        assert tp.buffers.shard_flags.tolist() == [0, 0] and tp.buffers.arrivals.tolist() == [1, 1]
+
+
 def test_tile_loop_must_be_one_the_fused_kernels_run():
     with pytest.raises(ValueError, match="tile_loop must be one of"):
         simulated_group(2, 8, 16, torch.float32, tile_loop="tma_flat")   # matmul's alone: its loop has no waits

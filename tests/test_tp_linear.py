@@ -1,4 +1,6 @@
 """Tensor-parallel linears and AsyncTP on the reference backend (gloo) against unsharded modules and torch."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -6,7 +8,7 @@ from torch import nn
 
 from cases import llama_mlp
 from distributed import run
-from moe_ep import TPMLP, AsyncTP, ColumnParallelLinear, RowParallelLinear
+from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference
 from moe_ep.tp.autotune import Autotuner
 from moe_ep.tp.config import TPConfig
 from moe_ep.tp.cost import candidate_paths, measured_choice, predicted_us
@@ -204,6 +206,32 @@ def _async_tp_on_the_reference_backend(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_async_tp_reference_backend_and_checks(world):
     run(_async_tp_on_the_reference_backend, world)
+
+
+def _refused_calls_end_on_every_rank(rank, world):
+    """A call that one rank refuses (the reference backend) raises CallRefusedError naming that rank and its
+    reason on every rank, at once, and leaves nothing behind: the next call runs as if it never happened."""
+    rows, k, n = 4, 16, 8
+    tp = AsyncTP(max_rows=world * rows, max_features=16, dtype=torch.float32, backend="reference", timeout_s=30.0)
+    g = torch.Generator().manual_seed(rank)
+    a, a_full, w = torch.randn(rows, k, generator=g), torch.randn(world * rows, k, generator=g), torch.randn(k, n)
+    started = time.monotonic()
+    with pytest.raises(CallRefusedError, match=rf"^ag_gemm refused by rank 0: ag_gemm: M={world * (rows + 1)} "
+                                               rf"exceeds this AsyncTP's max_rows={world * rows}") as refused:
+        tp.ag_gemm(torch.randn(rows + 1, k) if rank == 0 else a, w)
+    assert refused.value.refusals.keys() == {0}
+    with pytest.raises(CallRefusedError, match=rf"^gemm_rs refused by rank 1: gemm_rs: M={world * rows - 1} rows "
+                                               rf"cannot be scattered evenly over {world} ranks$"):
+        tp.gemm_rs(a_full[1:] if rank == 1 else a_full, w)
+    with pytest.raises(CallRefusedError, match=r"^gemm_ar refused by rank 0: gemm_ar: a has dtype torch.float64, "
+                                               r"expected torch.float32; rank 1: gemm_ar: w is on meta, expected cpu$"):
+        tp.gemm_ar(a.double() if rank == 0 else a, w.to("meta") if rank == 1 else w)
+    assert time.monotonic() - started < 10, "a refusal is known to every rank at once, not after a timeout"
+    assert torch.equal(tp.ag_gemm(a, w), reference.ag_gemm(a, w))
+
+
+def test_a_call_one_rank_refuses_fails_on_every_rank():
+    run(_refused_calls_end_on_every_rank, 2)
 
 
 def _everything_at(rank, world):

@@ -258,23 +258,6 @@ class EPAllToAll(runtime.CommObject):
     def _calls(self) -> dict[str, int]:
         return {"dispatch": self._dispatches, "combine": self._combines}
 
-    def _refused(self, what: str, refusal: ValueError) -> None:
-        """This rank refused its next call of `what` ("dispatch" or "combine"): where no collective agrees on
-        calls, its peers are told (``_tell_refusal``), unless `refusal` only reports peers' refusals
-        (CallRefusedError)."""
-        if not self.protocol.agrees_on_calls and not isinstance(refusal, runtime.CallRefusedError):
-            self._tell_refusal(what, self._calls()[what] + 1, refusal)
-
-    def _agreed(self, what: str, check, *args) -> None:
-        """check(*args), this rank's checks of a call, then every rank's verdict on it (``_agree``: where the
-        protocol's calls are host collectives): CallRefusedError on every rank if any rank refused."""
-        refusal = None
-        try:
-            check(*args)
-        except ValueError as error:
-            refusal = error
-        self._agree(what, refusal)
-
     def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode) -> bool:
         """True if every check of _check_dispatch_args passes, in one expression: the common case at a
         third of the host time of the checks that name what is wrong."""
@@ -361,15 +344,8 @@ class EPAllToAll(runtime.CommObject):
             hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
         The outputs stay valid until the dispatch after next.
         """
-        try:
-            self._raise_if_failed()
-            if self.protocol.agrees_on_calls:
-                self._agreed("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode)
-            else:
-                self._check_dispatch_args(x, topk_ids, topk_weights, mode)
-        except ValueError as refusal:
-            self._refused("dispatch", refusal)
-            raise
+        self._check_call("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode,
+                         agreed=self.protocol.agrees_on_calls)
         slot = self._dispatches % self._slots
         self._dispatches += 1
         call, protocol = self._dispatches, self.protocol
@@ -409,15 +385,8 @@ class EPAllToAll(runtime.CommObject):
                 (t, k), in fp32.
             hook (with return_recv_hook=True): launches the receive; read y only after it.
         """
-        try:
-            self._raise_if_failed()
-            if self.protocol.agrees_on_calls:
-                self._agreed("combine", self._check_combine_args, expert_out, handle, out)
-            else:
-                self._check_combine_args(expert_out, handle, out)
-        except ValueError as refusal:
-            self._refused("combine", refusal)
-            raise
+        self._check_call("combine", self._check_combine_args, expert_out, handle, out,
+                         agreed=self.protocol.agrees_on_calls)
         slot = self._combines % self._slots
         self._combines += 1
         protocol = self.protocol

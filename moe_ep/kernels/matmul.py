@@ -1,7 +1,7 @@
 """What the async-TP GEMMs (``ag_gemm``, ``gemm_rs``, ``gemm_ar``) share: the tile loop, the tile
-order inside a shard, the tile shapes, and the arrival flags (the per-call reset, a bounded wait
-that a stream can be held on between two cuBLAS calls, and ``sum_peer_tiles``, the reduce-scatter's
-and all-reduce's sum of the peers' tiles as their flags land). ``matmul`` is their GEMM alone, with
+order inside a shard, the tile shapes, and the arrival flags (the per-call reset with its bounded
+barrier, a bounded wait that a stream can be held on between two cuBLAS calls, and ``sum_peer_tiles``,
+the reduce-scatter's and all-reduce's sum of the peers' tiles as their flags land). ``matmul`` is their GEMM alone, with
 no communication: what benchmarks/bench_gemm.py and bench_tp.py hold against cuBLAS (the fused
 paths can only win where it comes close).
 
@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import shmem
-from ..shmem import wait_until_ge
+from ..shmem import signal_add_to, wait_all_ge, wait_until_ge
+from .status import TAG_TP_BARRIER
 
 
 @triton.jit
@@ -129,16 +129,27 @@ def matmul_slice_tma(a_desc, row, b_desc, col, k_first, k_last, BLOCK_M: tl.cons
 
 
 @triton.jit
-def reset_and_barrier_kernel(flags, count, BLOCK: tl.constexpr):
-    """Zero this rank's `count` int64 arrival flags, then a barrier over all ranks (one program).
+def reset_and_barrier_kernel(flags, count, arrivals, arrival_peers, rank, world, state, status_addr, timeout_ns,
+                             BLOCK: tl.constexpr, WORLD_PAD: tl.constexpr):
+    """Zero this rank's `count` int64 arrival flags, then a bounded barrier over all ranks (one program).
 
-    Peers write this call's flags and data only after the barrier, so they never race the
-    reset, and never overwrite data the previous call (earlier on this stream) still reads.
+    arrivals [world] int64 (symmetric): word s counts the calls rank s has begun, on every rank;
+    arrival_peers [world] int64: every rank's address of it. This rank counts its call in its own word and
+    adds it to its word of every peer's (release: after the reset), then waits until every word has
+    reached its own count, for at most timeout_ns (state: the program's int64 clock word; status: int32[5],
+    where a timeout is reported under TAG_TP_BARRIER). The counts live on the device: a CUDA graph may hold
+    the kernel. Peers write this call's flags and data only after the barrier, so they never race the
+    reset, and never overwrite data the previous call (earlier on this stream) still reads. A rank that
+    does not begin the call (it refused it, or stopped) leaves its peers with a timeout, not a hang.
     """
     for start in range(0, count, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         tl.store(flags + offs, tl.zeros((BLOCK,), tl.int64), mask=offs < count)
-    shmem.barrier_all_block()
+    peers = tl.arange(0, WORLD_PAD)
+    signal_add_to(arrival_peers, rank, (peers < world) & (peers != rank), 1, WORLD_PAD)
+    call = tl.atomic_add(arrivals + rank, 1, sem="relaxed", scope="cta") + 1
+    wait_all_ge(arrivals, world, call, timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), TAG_TP_BARRIER, state,
+                WORLD_PAD)
 
 
 @triton.jit(do_not_specialize=["index", "peer"])

@@ -24,10 +24,11 @@ TAG_DISPATCH_CREDIT = _wait("dispatch (waiting for the receiver to free its buff
 TAG_DISPATCH_ARRIVAL = _wait("dispatch (waiting for the sender's tokens)")
 TAG_COMBINE_CREDIT = _wait("combine (waiting for the receiver to free its buffer)")
 TAG_COMBINE_ARRIVAL = _wait("combine (waiting for the expert rank's rows)")
-# async tensor parallelism (kernels/ag_gemm.py, gemm_rs.py, gemm_ar.py)
+# async tensor parallelism (kernels/ag_gemm.py, gemm_rs.py, gemm_ar.py; the barrier of matmul.py)
 TAG_AG_SHARD = _wait("all-gather GEMM (waiting for a peer's shard)")
 TAG_RS_TILE = _wait("GEMM reduce-scatter (waiting for a peer's partials)")
 TAG_AR_TILE = _wait("GEMM all-reduce (waiting for a peer's partials)")
+TAG_TP_BARRIER = _wait("async-TP call's barrier (waiting for a peer to begin the call)")
 
 # EP: after the timeout report, the first out-of-range expert id a dispatch saw (its call number, 0 = none;
 # the id; its flat index into topk_ids), then 1 once an elastic rank found itself marked dead by its peers.

@@ -43,9 +43,24 @@ M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never
 The ops are differentiable (``autograd``): the input gradient of each of the first two is
 the other op, on the same object and paths; gemm_ar's is local.
 
-Every call of an overlapped path begins with a barrier over the group (one small kernel):
-buffers are reused from call to call, and a peer may write into them only once this rank is
-done with the previous call. Calls must be made in the same order on every rank.
+Every call of an overlapped path begins with a barrier over the group (one small kernel, its wait
+bounded by ``timeout_s``: ``kernels.matmul.reset_and_barrier_kernel``): buffers are reused from call to
+call, and a peer may write into them only once this rank is done with the previous call. Calls must be
+made in the same order on every rank.
+
+So a call that one rank refuses must end on every rank. Each call's checks (dtype, device, shapes,
+bounds) run before anything does, and a refusal reaches the peers as EPAllToAll's does. The reference
+backend, whose calls are host collectives, first exchanges every rank's verdict on the call
+(CommObject._agree, bounded by ``timeout_s``): a rank's ValueError raises CallRefusedError naming that
+rank and its reason on every rank, and no rank is left inside a collective. On the nvshmem backend the
+refusing rank raises its ValueError and writes which call and why into its row of every peer's refusal
+board (CommObject._tell_refusal, no collective). A peer that made the call times out in its barrier (and
+then in the call's own first waits, each bounded by ``timeout_s``); check(), or its next call, then raises
+CallRefusedError naming the refusing rank and its reason instead of CommTimeoutError, and the object is
+broken from then on, as after any timeout: build it again on every rank. A call that takes the path
+"never" waits in NCCL's collectives instead, which no board reaches (so does overlap="auto"'s first call
+of a shape, whose measurement ends in an all-reduce): a peer of a rank that refused it waits until the
+process group's timeout.
 """
 from __future__ import annotations
 
@@ -57,6 +72,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..kernels.matmul import DEFAULT_VARIANT, tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
+from ..shmem import SimulatedHeap
 from . import plain
 from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .autotune import Autotuner
@@ -91,6 +107,7 @@ class AsyncTP(runtime.CommObject):
     """
 
     TAGS = TAGS
+    CALLS = ("ag_gemm", "gemm_rs", "gemm_ar")     # the calls a refusal note names (CommObject._tell_refusal)
     world, rank, backend = _config_field("world"), _config_field("rank"), _config_field("backend")
     max_rows, max_features = _config_field("max_rows"), _config_field("max_features")
     dtype, timeout_s = _config_field("dtype"), _config_field("timeout_s")
@@ -113,6 +130,7 @@ class AsyncTP(runtime.CommObject):
         if sms is None:
             return
         self._build(runtime.symmetric_zeros, sms)
+        self._open_refusals(runtime.symmetric_zeros, runtime.put_on_stream)
         self._connect(lambda name, buf: [buf if r == rank else runtime.peer_tensor(buf, r) for r in range(self.world)],
                       torch.cuda.Stream(self.device))
         runtime.barrier()
@@ -122,17 +140,20 @@ class AsyncTP(runtime.CommObject):
                   overlap: str = "fused", timeout_s: float = 5.0, tile_loop: str = DEFAULT_VARIANT,
                   programs: int = 3) -> list[AsyncTP]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM: the
-        symmetric buffers are plain tensors, a rank's peer views the other ranks' tensors, and copies and
-        flags are made by the host. Under the Triton interpreter the kernels run for real, one program at
-        a time: run each phase of a call (pushes and sends, then the waiting GEMMs) on every rank in turn."""
-        ranks = []
+        symmetric buffers are plain tensors (``shmem.SimulatedHeap``), a rank's peer views the other ranks'
+        tensors, and copies and flags are made by the host. Under the Triton interpreter the kernels run for
+        real, one program at a time: run each phase of a call (pushes and sends, then the waiting GEMMs) on
+        every rank in turn. A call through the public methods begins with its barrier, which waits for every
+        rank to begin the call: in one process it times out unless the peers' barriers ran before."""
+        heap, ranks = SimulatedHeap(world), []
         for rank in range(world):
             tp = cls.__new__(cls)
             tp._configure(TPConfig(world, rank, max_rows, max_features, dtype, "nvshmem", overlap, timeout_s,
                                    tile_loop))
-            tp.group, tp.device = None, torch.device("cpu")
+            tp.group, tp.device, tp._heap = None, torch.device("cpu"), heap
             tp.tuner = Autotuner(tp.config, None, tp.device)
-            tp._build(lambda shape, dtype: torch.zeros(shape, dtype=dtype), programs)
+            tp._build(heap.allocator(rank), programs)
+            tp._open_refusals(heap.allocator(rank), SimulatedHeap.put)
             ranks.append(tp)
         for tp in ranks:
             tp._connect(lambda name, buf: [other._symmetric[name] for other in ranks], None)
@@ -146,6 +167,7 @@ class AsyncTP(runtime.CommObject):
         self._symmetric: dict[str, torch.Tensor] = {}
         self._status: torch.Tensor | None = None
         self._broken: str | None = None
+        self._made = dict.fromkeys(self.CALLS, 0)     # calls of each op accepted so far
 
     def _build(self, symmetric_zeros, programs: int) -> None:
         """The TPBuffers from `symmetric_zeros(shape, dtype)`, the clock words of `programs` programs (every
@@ -160,7 +182,7 @@ class AsyncTP(runtime.CommObject):
         """The launches and the copy-engine steps. `peer_views(name, buffer)` -> every rank's copy of the
         TPBuffers field `name` as a tensor this rank can address (NVLink); the kernels' address tables come
         from them, and the copy engine writes through them."""
-        views = {name: peer_views(name, buf) for name, buf in self._symmetric.items()}
+        views = {name: peer_views(name, buf) for name, buf in vars(self.buffers).items()}
         peers = {name: torch.tensor([v.data_ptr() for v in copies], dtype=torch.int64, device=self.device)
                  for name, copies in views.items()}
         self.launches = Launches(self.config, self.buffers, peers, self._state, self._status, self._programs)
@@ -171,26 +193,36 @@ class AsyncTP(runtime.CommObject):
         """overlap="auto"'s decision per shape (``autotune.Autotuner.choices``)."""
         return self.tuner.choices
 
+    def _calls(self) -> dict[str, int]:
+        return self._made
+
     def _checked(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
         """What an earlier call left (a timeout) raised, then the checks of this call's operands, before
-        anything runs; (M, K, N) of the call's [M, K] @ [K, N], M over all ranks."""
-        self._raise_if_failed()
-        self._check_operands(op, a, w)
+        anything runs (``CommObject._check_call``: every rank's verdict agreed on the reference backend, a
+        refusal told to the peers on nvshmem); counts the call; (M, K, N) of the call's [M, K] @ [K, N], M
+        over all ranks."""
+        self._check_call(op, self._check_operands, op, a, w, agreed=self.backend == "reference")
+        self._made[op] += 1
+        return self._sizes(op, a, w)
+
+    def _sizes(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+        """(M, K, N) of a call's [M, K] @ [K, N], M over all ranks (ag_gemm's a is this rank's shard of them)."""
         (m, k), n = a.shape, w.shape[1]
-        if op == "ag_gemm":
-            m *= self.world                     # a is this rank's shard of the gathered rows
-        elif op == "gemm_rs" and m % self.world:
-            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
-        self.config.check_bounds(op, m, *(("K", k) if op == "ag_gemm" else ("N", n)))
-        return m, k, n
+        return m * self.world if op == "ag_gemm" else m, k, n
 
     def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
+        """ValueError unless `op`'s a and w are 2-D operands of this object's dtype and device whose
+        product fits its bounds."""
         self._expect(f"{op}: a", a, (self.dtype,), dim=2)
         self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
         if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
             raise ValueError(f"{op}: w spans 2**31 elements or more; the kernels use 32-bit offsets")
         if a.shape[1] != w.shape[0]:
             raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
+        m, k, n = self._sizes(op, a, w)
+        if op == "gemm_rs" and m % self.world:
+            raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
+        self.config.check_bounds(op, m, *(("K", k) if op == "ag_gemm" else ("N", n)))
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 

@@ -73,6 +73,7 @@ class TPBuffers:
                                # gemm_ar: [W, M', N], rank s's whole partial (M' <= M/W)
     tile_flags: torch.Tensor   # [W * T] i64: gemm_rs / gemm_ar: [W, tiles], 1 once rank s's tile t has landed
                                # (the chunked gemm_rs: [W], once all of rank s's partial rows have)
+    arrivals: torch.Tensor     # [W] i64: the calls rank s has begun (each call's barrier counts them, bounded)
 
 
 def tp_buffers(config: TPConfig, symmetric_zeros) -> TPBuffers:
@@ -82,4 +83,5 @@ def tp_buffers(config: TPConfig, symmetric_zeros) -> TPBuffers:
     return TPBuffers(gathered=symmetric_zeros((elements,), config.dtype),
                      shard_flags=symmetric_zeros((config.world,), torch.int64),
                      partials=symmetric_zeros((elements,), config.dtype),
-                     tile_flags=symmetric_zeros((config.world * tiles,), torch.int64))
+                     tile_flags=symmetric_zeros((config.world * tiles,), torch.int64),
+                     arrivals=symmetric_zeros((config.world,), torch.int64))

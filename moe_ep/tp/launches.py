@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import runtime
 from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
 from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
@@ -54,7 +53,11 @@ class Launches:
         self._wait = {name: BoundKernel(wait_flag_kernel, 1, ("index", "peer"), flags=getattr(buffers, name), TAG=tag,
                                         num_warps=1, **waits)
                       for name, tag in (("shard_flags", TAG_AG_SHARD), ("tile_flags", TAG_RS_TILE))}
-        self._reset: dict[str, BoundKernel] = {}     # bound at first use: device_library() needs NVSHMEM
+        self._reset = {name: BoundKernel(reset_and_barrier_kernel, 1, ("count",), flags=getattr(buffers, name),
+                                         arrivals=buffers.arrivals, arrival_peers=peers["arrivals"], rank=config.rank,
+                                         world=config.world, BLOCK=RESET_BLOCK,
+                                         WORLD_PAD=triton.next_power_of_2(config.world), num_warps=4, **waits)
+                       for name in ("shard_flags", "tile_flags")}
         self.bound: dict[tuple, BoundKernel] = {}
 
     # ------------------------------------------------------------------------------------ fused GEMMs
@@ -127,13 +130,9 @@ class Launches:
     # ------------------------------------------------------------------------------------ flags
 
     def reset(self, name: str, count: int) -> None:
-        """Zero this rank's first `count` flags of the TPBuffers field `name`, then a barrier over the group."""
-        kernel = self._reset.get(name)
-        if kernel is None:
-            kernel = self._reset[name] = BoundKernel(reset_and_barrier_kernel, 1, ("count",),
-                                                     flags=getattr(self.buffers, name), BLOCK=RESET_BLOCK,
-                                                     num_warps=4, extern_libs=runtime.device_library())
-        kernel(count)
+        """Zero this rank's first `count` flags of the TPBuffers field `name`, then a barrier over the group,
+        bounded by timeout_s (``reset_and_barrier_kernel``)."""
+        self._reset[name](count)
 
     def wait_flag(self, name: str, peer: int) -> None:
         """Hold the current stream until this rank's flag `name`[peer] is set (bounded)."""
