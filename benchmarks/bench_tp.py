@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import AsyncTP, reference
-from moe_ep.kernels.matmul import matmul, tile_config
+from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
 
@@ -145,7 +145,7 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
     except Exception as e:
         row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     gemm_a = gathered if op == "ag_gemm" else a
-    config = tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)     # the fused kernel's tiles
+    config = fused_tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)   # the fused kernels' tiles
     triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
     triton_tma = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma")   # noqa: E731
     timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("triton_tma_us", triton_tma),

@@ -15,8 +15,10 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import (FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_TILES, VARIANTS, loads_through_descriptors,
-                                   matmul, matmul_small_m, small_m_config)
+from moe_ep.kernels.matmul import (FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_ROWS, SMALL_M_TILES, VARIANTS,
+                                   fused_tile_config, loads_through_descriptors, matmul, matmul_small_m,
+                                   small_m_config, tile_config)
+from moe_ep.tp.config import MIN_TILE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 3
@@ -146,6 +148,20 @@ def test_split_rule(m, k, n):
     assert not fits(splits + 1)
     if (m, k, n) == (64, 8192, 3584):
         assert splits == 2
+
+
+@pytest.mark.parametrize("rows,element_size", [(1, 2), (32, 2), (33, 2), (128, 2), (256, 2), (257, 2), (64, 4)])
+def test_fused_tiles(rows, element_size):
+    """The fused kernels' tiles: small_m_config's (no split) for 2-byte operands up to SMALL_M_ROWS rows,
+    tile_config's otherwise; never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
+    config = fused_tile_config(rows, 7168, element_size)
+    if rows <= SMALL_M_ROWS and element_size == 2:
+        small = small_m_config(rows, 7168, 8192, element_size, SMS)
+        assert {key: config[key] for key in small if key != "splits"} == {k: v for k, v in small.items()
+                                                                         if k != "splits"}
+    else:
+        assert config == tile_config(rows, 7168, element_size)
+    assert config["BLOCK_M"] >= MIN_TILE[0] and config["BLOCK_N"] >= MIN_TILE[1] and "GROUP_M" in config
 
 
 def test_small_m_refuses_what_it_cannot_run():

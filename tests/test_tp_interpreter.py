@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import FUSED_VARIANTS, tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, fused_tile_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -85,7 +85,7 @@ RS_CASES = [
 
 def run_gemm_rs(ranks, a, ws, path):
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
-    config = tile_config(m // world, n, a[0].element_size())
+    config = fused_tile_config(m // world, n, a[0].element_size())
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
@@ -150,7 +150,7 @@ def test_partials_that_never_land_time_out():
 
 def run_gemm_ar(ranks, a, ws):
     m, n = a[0].shape[0], ws[0].shape[1]
-    config = tile_config(m, n, a[0].element_size())
+    config = fused_tile_config(m, n, a[0].element_size())
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
@@ -193,7 +193,8 @@ def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
     ranks[0].buffers.tile_flags.zero_()
-    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), tile_config(4, 8, 4), publish=True, reduce=True)   # rank 1 idle
+    config = fused_tile_config(4, 8, 4)
+    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config, publish=True, reduce=True)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
 

@@ -335,6 +335,20 @@ SMALL_M_TILES = (
 )
 
 
+def fused_tile_config(rows: int, n: int, element_size: int) -> dict:
+    """The tiles of a fused kernel (ag_gemm, gemm_rs, gemm_ar) for a shard of `rows` x `n` outputs: in 2-byte
+    dtypes up to SMALL_M_ROWS rows, matmul_small_m's (SMALL_M_TILES, BLOCK_K 256 bytes of a row: narrow
+    tiles, enough of them for every SM to stream its own strip of the weights; the fused kernels walk all of
+    K, so never a split), else ``tile_config``'s. At decode sizes the tile loop's 128 x 256 tiles leave most
+    SMs idle (M = 128, N = 7168: 28 tiles for 132 SMs) and ran at 0.47-0.62x cuBLAS; the narrow ones at
+    0.94-1.07x up to 128 rows (benchmarks/NOTES.md, "The tile loop at small M")."""
+    if rows > SMALL_M_ROWS or element_size != 2:
+        return tile_config(rows, n, element_size)
+    tiles = next(t for most, t in SMALL_M_TILES if most is None or rows <= most)
+    return dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=256 // element_size, GROUP_M=8,
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+
+
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def matmul_split_k_kernel(a, a_desc, w, w_desc, partials, M, N, K, stride_am, stride_wk, stride_wn, blocks_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,

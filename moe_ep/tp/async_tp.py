@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..kernels.matmul import DEFAULT_VARIANT, tile_config
+from ..kernels.matmul import DEFAULT_VARIANT, fused_tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
 from ..shmem import SimulatedHeap
 from . import plain
@@ -278,7 +278,7 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "fused":
-            config = tile_config(m // self.world, n, a.element_size())
+            config = fused_tile_config(m // self.world, n, a.element_size())
             self.launches.reset("tile_flags", self.world * self.launches.rs_tiles(m, n, config))
             self.launches.gemm_rs(a, w, out, config, 0, self.world)
         else:
@@ -313,7 +313,7 @@ class AsyncTP(runtime.CommObject):
             return plain.gemm_ar(a, w, self.group)
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
-        config = tile_config(m, n, a.element_size())
+        config = fused_tile_config(m, n, a.element_size())
         self.launches.reset("tile_flags", self.world * self.launches.ar_tiles(m, n, config))
         self.launches.gemm_ar(a, w, out, config, publish=True, reduce=True)
         return out

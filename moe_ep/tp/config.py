@@ -13,7 +13,7 @@ from ..kernels.matmul import FUSED_VARIANTS
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_TILE = (64, 128)      # the smallest BLOCK_M, BLOCK_N matmul.tile_config hands out
+MIN_TILE = (16, 64)       # the smallest BLOCK_M, BLOCK_N matmul.fused_tile_config hands out
 
 
 @dataclass

@@ -3,8 +3,8 @@
 flag, and the chunked reduce-scatter's sum.
 
 What never changes for an object (its buffers, peer tables, clock and status words, rank, timeout) is
-bound once; a fused GEMM's tile shapes, grid and flags (``tile_config``, the tile count, TMA) are bound
-once per combination, kept in `bound`; the operands, their sizes and strides (and their tensor
+bound once; a fused GEMM's tile shapes, grid and flags (``fused_tile_config``, the tile count, TMA) are
+bound once per combination, kept in `bound`; the operands, their sizes and strides (and their tensor
 descriptors, with TMA) are what a call passes.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import triton
 from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
 from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
-from ..kernels.matmul import (descriptor, loads_through_descriptors, operand_descriptors, reset_and_barrier_kernel,
-                              tile_config, wait_flag_kernel, weight_rows)
+from ..kernels.matmul import (descriptor, fused_tile_config, loads_through_descriptors, operand_descriptors,
+                              reset_and_barrier_kernel, wait_flag_kernel, weight_rows)
 from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
 from ..launcher import BoundKernel
 from .config import TPBuffers, TPConfig
@@ -68,7 +68,7 @@ class Launches:
         rows, k = a_shard.shape
         n = w.shape[1]
         out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
-        config = tile_config(rows, n, a_shard.element_size())
+        config = fused_tile_config(rows, n, a_shard.element_size())
         tiles = c.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         tma, descriptors = self._loads(a_shard, w, config)
         if tma:                     # the gathered A's between a's and w's
