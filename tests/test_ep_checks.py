@@ -262,6 +262,7 @@ def compile_once(self, *values, programs=None):
     print(self.fn.__name__)
 
 BoundKernel.__call__ = compile_once
+BoundKernel.prepare = lambda self, *values: None     # loads onto a GPU: each launch below compiles instead
 x, y = torch.zeros(64, 7168, dtype=torch.bfloat16), torch.zeros(64, 7168, dtype=torch.bfloat16)
 ids, weights = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(64, 8)
 expert_out = torch.zeros(128, 128, 7168, dtype=torch.bfloat16)

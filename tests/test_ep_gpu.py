@@ -40,6 +40,8 @@ def check_call(ep, x, ids, weights, straggle=None, out=False, mode="auto"):
     recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights, mode=mode)
     r_x, r_scales, r_count, r_handle = reference.dispatch(x, ids, weights, num_experts=ep.num_experts,
                                                           max_tokens=ep.max_tokens, payload=fmt)
+    if not torch.equal(recv_count, r_count):
+        ep.check()                  # a wait that timed out (its kernel skipped the call) raises, naming the peer
     assert torch.equal(recv_count, r_count), (recv_count, r_count)
     valid = torch.arange(recv_x.shape[1], device=x.device)[None, :] < r_count[:, None].long()
     assert torch.equal(recv_x[valid].view(torch.uint8), r_x[valid].view(torch.uint8)), "dispatched rows differ"

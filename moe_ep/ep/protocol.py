@@ -216,7 +216,7 @@ class KernelProtocol(EPProtocol):
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}     # (buffer, slot, tokens) -> a call's rows
         self._shapes: dict[int, CallShape] = {}           # tokens -> call_shape(tokens), made once
         self._receivers: list = [None] * self.slots       # per slot: the receive kernel of its last dispatch_send
-        self._ready: set = set()                          # with puts: the calls whose every kernel is compiled
+        self._ready: set = set()                          # the calls whose every kernel is compiled (_ready_*)
 
     def peer_paths(self) -> list[str]:
         """How this rank reaches each rank: "local" (itself), "nvlink" (stores through a peer pointer) or
@@ -337,15 +337,17 @@ class KernelProtocol(EPProtocol):
     one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
     def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
-        """With puts, before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these
-        (both tiles, one launch and two), once, so that a CUDA graph captured later compiles none. Their
-        modules link NVSHMEM, which cannot initialize one while a stream is being captured."""
-        if capturing(self.device):
-            return
+        """Before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these (both tiles,
+        one launch and two), once. Ranks whose calls take different kernels (their token counts or modes
+        differ) then compile the same ones at their first call, instead of one rank compiling a kernel its
+        peers have while they wait for it, past timeout_s on a cold compile cache. With puts, once per
+        specialization, so that a CUDA graph captured later compiles none: their modules link NVSHMEM, which
+        cannot initialize one while a stream is being captured; without, once per ids dtype (a launch
+        compiles any other specialization itself, as it may inside a capture)."""
         tokens = x.shape[0]
         values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
-        key = ("dispatch", slot, self._dispatch_send[slot].key(values))
-        if key in self._ready:
+        key = ("dispatch", slot, self._dispatch_send[slot].key(values) if self.remote else topk_ids.dtype)
+        if key in self._ready or capturing(self.device):
             return
         sends = [self._dispatch_send[slot], self._prefill[0][slot]]
         if self.one_launch:
@@ -373,8 +375,7 @@ class KernelProtocol(EPProtocol):
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
-        if self.remote:
-            self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
+        self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
         tokens = x.shape[0]
         prefill = self._prefill_tiles(tokens, mode)
         if self.one_launch and not prefill:
@@ -401,8 +402,7 @@ class KernelProtocol(EPProtocol):
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
-        if self.remote:
-            self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
+        self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
         self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode))
 
     def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool) -> None:
