@@ -6,8 +6,10 @@
 # quick       the gate of every change that runs on a GPU: every GPU test file once, at 2 ranks (shared-GPU
 #             mode on one GPU; elastic EP's at 4), the sweeps at a reduced size, and the one-GPU benchmarks
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
-#             two model shapes at their decode and prefill rows). On one H200: 422-466 s with a warm compile cache
-#             (see below); cold, over 575 s (benchmarks/NOTES.md, "The quick GPU suite").
+#             two model shapes at their decode and prefill rows). On one H200 with a warm compile cache (see
+#             below) the test lanes end at about 320 s and bench_all_to_all takes 111 s; the MoE-layer and
+#             grouped-GEMM benchmarks after them (29 and 17 s warm on 2026-11-24) were past the 490 s the last
+#             run had (benchmarks/NOTES.md, "The gate runs of 2026-11-26, afternoon").
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep), the tutorials, and the
 #             EP (DeepEP beside us, where .deepep/ holds its source; the put path beside the pointer path),
