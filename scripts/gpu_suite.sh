@@ -188,15 +188,18 @@ for part in $parts; do
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
       step bench_grouped 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --grouped --out "$out" ;;
     multi)
-      # Five lanes of jobs side by side, a rank on every GPU (the GPUs time-slice between the jobs; their
-      # compiles share the CPUs): the EP file; the put path and NVSHMEM's wrappers, then the engines; async TP,
-      # the MoE layer and quant; the tutorials; elastic EP; DeepEP's build on the CPUs beside them. Then the
-      # benchmarks, one at a time on an otherwise idle machine (EP's with 50 repetitions a decode setting, 12 at
-      # prefill). Limits: 1.5-2x each step's time on 4 x H200 (benchmarks/NOTES.md, "On 2 and 4 GPUs").
+      # Six lanes of jobs side by side, a rank on every GPU (the GPUs time-slice between the jobs; their
+      # compiles share the CPUs): the EP file in two (its sweep and back-to-back calls; the rest); the put path
+      # and NVSHMEM's wrappers, then the engines; async TP, the MoE layer and quant; the tutorials; elastic EP;
+      # DeepEP's build on the CPUs beside them. Then the benchmarks, one at a time on an otherwise idle machine
+      # (EP's with 50 repetitions a decode setting, 12 at prefill). Limits: 1.5-2x each step's time on 4 x H200
+      # (benchmarks/NOTES.md, "On 2 and 4 GPUs" and "The gate runs of 2026-11-26, afternoon").
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
-      lane multi_ep 360 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
-        tests/test_ep_gpu.py
+      lane multi_ep 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
+        tests/test_ep_gpu.py -k "sweep or back_to_back"
+      lane multi_ep_calls 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
+        -m gpu tests/test_ep_gpu.py -k "not sweep and not back_to_back"
       lane multi_puts 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
         -m gpu tests/test_ep_puts_gpu.py tests/test_shmem_gpu.py --and-then engine_tests 240
       lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
@@ -209,8 +212,8 @@ for part in $parts; do
       lane multi_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      lanes_passed multi_ep multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 tutorial04 \
-        tutorial06
+      lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 \
+        tutorial04 tutorial06
       deepep_bench
       step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50
       step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out"
