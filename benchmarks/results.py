@@ -48,18 +48,20 @@ def ep_section(data: dict) -> str:
             "engines' rate measured in the run; x_floor: graph over the larger of the HBM and link floors). Link "
             "GB/s: the link bytes over the graph time.\n\n" + markdown_table(rows, EP_COLUMNS) + "\n")
     if data.get("peer_copy_GBps"):
-        text += f"\nCopy engines, every rank to every other at once: {data['peer_copy_GBps']:.0f} GB/s leave each GPU.\n"
+        text += (f"\nCopy engines, every rank to every other at once: {data['peer_copy_GBps']:.0f} GB/s leave each "
+                 "GPU.\n")
     if "deepep" in data:
         text += f"\n{data['deepep']}.\n"
     if any("deepep_mode" in row for row in rows):
         text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
-                 "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f") + "\n")
+                 "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f")
+                 + "\n")
     if any("put_dispatch_graph_us" in row for row in rows):
-        text += ("\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and its time "
-                 "over theirs:\n\n" + markdown_table(rows, PUT_COLUMNS, ".2f") + "\n")
+        text += ("\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and its "
+                 "time over theirs:\n\n" + markdown_table(rows, PUT_COLUMNS, ".2f") + "\n")
     if data.get("formats"):
-        text += ("\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, its link floors; times "
-                 "over fp8's):\n\n" + markdown_table(data["formats"], FORMAT_COLUMNS, ".2f") + "\n")
+        text += ("\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, its link floors; "
+                 "times over fp8's):\n\n" + markdown_table(data["formats"], FORMAT_COLUMNS, ".2f") + "\n")
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []

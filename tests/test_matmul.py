@@ -150,18 +150,21 @@ def test_split_rule(m, k, n):
         assert splits == 2
 
 
-@pytest.mark.parametrize("rows,element_size", [(1, 2), (32, 2), (33, 2), (128, 2), (256, 2), (257, 2), (64, 4)])
-def test_fused_tiles(rows, element_size):
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_fused_tiles(element_size):
     """The fused kernels' tiles: small_m_config's (no split) for 2-byte operands up to SMALL_M_ROWS rows,
-    tile_config's otherwise; never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
-    config = fused_tile_config(rows, 7168, element_size)
-    if rows <= SMALL_M_ROWS and element_size == 2:
-        small = small_m_config(rows, 7168, 8192, element_size, SMS)
-        assert {key: config[key] for key in small if key != "splits"} == {k: v for k, v in small.items()
-                                                                         if k != "splits"}
-    else:
-        assert config == tile_config(rows, 7168, element_size)
-    assert config["BLOCK_M"] >= MIN_TILE[0] and config["BLOCK_N"] >= MIN_TILE[1] and "GROUP_M" in config
+    tile_config's otherwise, at every row count up to 300 and widths on both sides of tile_config's 2048;
+    never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
+    for rows in range(1, 301):
+        for n in (64, 2047, 2048, 7168):
+            config = fused_tile_config(rows, n, element_size)
+            if rows <= SMALL_M_ROWS and element_size == 2:
+                small = {k: v for k, v in small_m_config(rows, n, 8192, element_size, SMS).items() if k != "splits"}
+                assert {k: config[k] for k in small} == small, (rows, n)
+            else:
+                assert config == tile_config(rows, n, element_size), (rows, n)
+            assert config["BLOCK_M"] >= MIN_TILE[0] and config["BLOCK_N"] >= MIN_TILE[1], (rows, n, config)
+            assert "GROUP_M" in config
 
 
 def test_small_m_refuses_what_it_cannot_run():

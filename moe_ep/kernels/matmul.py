@@ -140,7 +140,10 @@ def reset_and_barrier_kernel(flags, count, arrivals, arrival_peers, rank, world,
     where a timeout is reported under TAG_TP_BARRIER). The counts live on the device: a CUDA graph may hold
     the kernel. Peers write this call's flags and data only after the barrier, so they never race the
     reset, and never overwrite data the previous call (earlier on this stream) still reads. A rank that
-    does not begin the call (it refused it, or stopped) leaves its peers with a timeout, not a hang.
+    does not begin the call (it refused it, or stopped) leaves its peers with a timeout, not a hang; a
+    peer whose barrier timed out still runs its call (its status reports the timeout, and its object
+    raises from then on), so its writes may land in the rank that had not begun it, whose next call then
+    pairs with that one, as EPAllToAll's calls pair with whichever call of the same number comes.
     """
     for start in range(0, count, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -289,9 +292,9 @@ def operand_descriptors(a: torch.Tensor, w: torch.Tensor, config: dict) -> dict:
 
 def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None = None,
            variant: str = DEFAULT_VARIANT) -> torch.Tensor:
-    """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with the tile
-    shapes the fused kernels use for M rows (or `config`, a tile_config of another row count), the
-    tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
+    """a [M, K] (row-major) @ w [K, N] -> [M, N] in a's dtype, on `programs` programs, with
+    ``tile_config``'s tile shapes for M rows (or `config`: another row count's, or ``fused_tile_config``'s),
+    the tile loop of VARIANTS[variant]. The descriptor variants need 16-byte aligned rows (K and N
     multiples of 8 in bf16) and w with contiguous rows or columns."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
@@ -340,8 +343,9 @@ def fused_tile_config(rows: int, n: int, element_size: int) -> dict:
     dtypes up to SMALL_M_ROWS rows, matmul_small_m's (SMALL_M_TILES, BLOCK_K 256 bytes of a row: narrow
     tiles, enough of them for every SM to stream its own strip of the weights; the fused kernels walk all of
     K, so never a split), else ``tile_config``'s. At decode sizes the tile loop's 128 x 256 tiles leave most
-    SMs idle (M = 128, N = 7168: 28 tiles for 132 SMs) and ran at 0.47-0.62x cuBLAS; the narrow ones at
-    0.94-1.07x up to 128 rows (benchmarks/NOTES.md, "The tile loop at small M")."""
+    SMs idle (M = 128, N = 7168: 28 tiles for 132 SMs) and ran at 0.47-0.62x cuBLAS; matmul_small_m, one
+    narrow tile a program, at 0.94-1.07x up to 128 rows where it split no K (benchmarks/NOTES.md, "The tile
+    loop at small M"). Inside the fused kernels' persistent loop these tiles are not yet measured."""
     if rows > SMALL_M_ROWS or element_size != 2:
         return tile_config(rows, n, element_size)
     tiles = next(t for most, t in SMALL_M_TILES if most is None or rows <= most)

@@ -57,7 +57,9 @@ refusing rank raises its ValueError and writes which call and why into its row o
 board (CommObject._tell_refusal, no collective). A peer that made the call times out in its barrier (and
 then in the call's own first waits, each bounded by ``timeout_s``); check(), or its next call, then raises
 CallRefusedError naming the refusing rank and its reason instead of CommTimeoutError, and the object is
-broken from then on, as after any timeout: build it again on every rank. A call that takes the path
+broken from then on, as after any timeout: build it again on every rank. The refusing rank's object is
+not: its next call pairs with whichever call of the same number its peers make, the timed-out one included
+(whose writes may have landed in its buffers), as EPAllToAll's calls do. A call that takes the path
 "never" waits in NCCL's collectives instead, which no board reaches (so does overlap="auto"'s first call
 of a shape, whose measurement ends in an all-reduce): a peer of a rank that refused it waits until the
 process group's timeout.
