@@ -253,11 +253,10 @@ def crossover(max_tokens: int, iters: int) -> int:
     return tokens
 
 
-def put_path(out: dict, tokens: int, max_tokens: int, iters: int, full: bool) -> None:
-    """The same calls with every peer reached through NVSHMEM puts (puts="all") into `out`, as put_<time>
-    beside the pointer path's <time>, and their ratio puts_over_pointers_<op>_<how>."""
+def put_path(out: dict, x, ids, weights, expert_out, max_tokens: int, iters: int, full: bool) -> None:
+    """The same calls (the setting's `inputs`) with every peer reached through NVSHMEM puts (puts="all") into
+    `out`, as put_<time> beside the pointer path's <time>, and their ratio puts_over_pointers_<op>_<how>."""
     ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, puts="all")
-    x, ids, weights, expert_out = inputs(tokens, max_tokens, ep.experts_per_rank)
     *_, handle = ep.dispatch(x, ids, weights)
     dispatch = lambda: ep.dispatch(x, ids, weights)               # noqa: E731
     combine = lambda: ep.combine(expert_out, handle)              # noqa: E731
@@ -330,7 +329,7 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
     ours.destroy()
     if puts:
         progress.step("put path")
-        put_path(out, tokens, max_tokens, iters, full)
+        put_path(out, x, ids, weights, expert_out, max_tokens, iters, full)
     if with_breakdown:
         progress.step("breakdown")
         timed = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
@@ -393,6 +392,19 @@ def payload_formats(tokens: int, iters: int, copy_GBps: float | None, progress: 
         for how in ("graph", "eager"):
             row[f"{how}_over_fp8"] = row[f"dispatch_{how}_us"] / fp8[f"dispatch_{how}_us"]
     return rows
+
+
+def put_and_format_tables(rows: list[dict], formats: list[dict] | None) -> str:
+    """The put path's table (where the rows have its times) and the payload formats' (where there are
+    any), as the benchmark's .md and RESULTS.md show them."""
+    text = ""
+    if any("put_dispatch_graph_us" in row for row in rows):
+        text += ("\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and its "
+                 f"time over theirs:\n\n{markdown_table(rows, PUT_COLUMNS, '.2f')}\n")
+    if formats:
+        text += ("\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, its link floors; "
+                 f"times over fp8's):\n\n{markdown_table(formats, FORMAT_COLUMNS, '.2f')}\n")
+    return text
 
 
 def peer_copy_GBps(mb_per_peer: int = 64, iters: int = 10) -> float | None:
@@ -570,12 +582,7 @@ def main():
                 f"\n{deepep}\n")
         if any("deepep_mode" in row for row in rows):
             text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
-        if any("put_dispatch_graph_us" in row for row in rows):
-            text += (f"\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and "
-                     f"its time over theirs:\n\n{markdown_table(rows, PUT_COLUMNS, '.2f')}\n")
-        if args.formats:
-            text += (f"\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, floors as above; "
-                     f"times over fp8's):\n\n{markdown_table(results['formats'], FORMAT_COLUMNS, '.2f')}\n")
+        text += put_and_format_tables(rows, results.get("formats"))
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]

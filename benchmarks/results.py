@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_all_to_all import DEEPEP_COLUMNS, FORMAT_COLUMNS, PUT_COLUMNS, crossover_line  # noqa: E402
+from bench_all_to_all import DEEPEP_COLUMNS, crossover_line, put_and_format_tables  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
 EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_link_floor_us",
@@ -56,12 +56,7 @@ def ep_section(data: dict) -> str:
         text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
                  "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f")
                  + "\n")
-    if any("put_dispatch_graph_us" in row for row in rows):
-        text += ("\nThe put path (every peer through NVSHMEM puts, puts='all') beside the pointer path, us, and its "
-                 "time over theirs:\n\n" + markdown_table(rows, PUT_COLUMNS, ".2f") + "\n")
-    if data.get("formats"):
-        text += ("\nDispatch per payload format (a row's bytes on the wire, MB leaving this GPU, its link floors; "
-                 "times over fp8's):\n\n" + markdown_table(data["formats"], FORMAT_COLUMNS, ".2f") + "\n")
+    text += put_and_format_tables(rows, data.get("formats"))
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []

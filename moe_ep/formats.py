@@ -86,7 +86,6 @@ class PayloadFormat:
     docstring). Rows are the last dimension; every method takes any leading dimensions."""
     name: str
     element: str                          # one element's encoding: "bf16", "fp16", "fp32", "e4m3" or "e2m1"
-    element_bits: int                     # its width on the wire
     payload_dtype: torch.dtype            # of the payload tensor: the activation dtype, float8_e4m3fn, or uint8
     element_pack: int = 1                 # elements per payload item: 2 for e2m1 (column 2i in the low nibble)
     scale: str = "none"                   # a group's scale: "none", "fp32", "ue8m0" (a power of two) or "e4m3"
@@ -94,6 +93,11 @@ class PayloadFormat:
     group: int = 0                        # columns per scale (0: no scales)
     scale_pack: int = 1                   # scales per scales item: 4 UE8M0 bytes in an int32, group 4j + i in byte i
     tensor_scale: bool = False            # one float32 per tensor multiplies every group's scale (nvfp4)
+
+    @property
+    def element_bits(self) -> int:
+        """One element's width on the wire."""
+        return self.payload_dtype.itemsize * 8 // self.element_pack
 
     @property
     def scale_storage(self) -> torch.dtype | None:
@@ -184,15 +188,15 @@ class PayloadFormat:
 FP8_GROUP = 128      # columns per scale of "fp8" and "fp8_ue8m0": DeepEP's and DeepGEMM's per-token FP8 group
 
 FORMATS: dict[str, PayloadFormat] = {f.name: f for f in (
-    PayloadFormat("bf16", "bf16", 16, torch.bfloat16),
-    PayloadFormat("fp16", "fp16", 16, torch.float16),
-    PayloadFormat("fp32", "fp32", 32, torch.float32),
-    PayloadFormat("fp8", "e4m3", 8, torch.float8_e4m3fn, scale="fp32", scale_dtype=torch.float32, group=FP8_GROUP),
-    PayloadFormat("fp8_ue8m0", "e4m3", 8, torch.float8_e4m3fn, scale="ue8m0", scale_dtype=torch.int32,
+    PayloadFormat("bf16", "bf16", torch.bfloat16),
+    PayloadFormat("fp16", "fp16", torch.float16),
+    PayloadFormat("fp32", "fp32", torch.float32),
+    PayloadFormat("fp8", "e4m3", torch.float8_e4m3fn, scale="fp32", scale_dtype=torch.float32, group=FP8_GROUP),
+    PayloadFormat("fp8_ue8m0", "e4m3", torch.float8_e4m3fn, scale="ue8m0", scale_dtype=torch.int32,
                   group=FP8_GROUP, scale_pack=4),
-    PayloadFormat("mxfp8", "e4m3", 8, torch.float8_e4m3fn, scale="ue8m0", scale_dtype=torch.float8_e8m0fnu,
+    PayloadFormat("mxfp8", "e4m3", torch.float8_e4m3fn, scale="ue8m0", scale_dtype=torch.float8_e8m0fnu,
                   group=32),
-    PayloadFormat("nvfp4", "e2m1", 4, torch.uint8, element_pack=2, scale="e4m3", scale_dtype=torch.float8_e4m3fn,
+    PayloadFormat("nvfp4", "e2m1", torch.uint8, element_pack=2, scale="e4m3", scale_dtype=torch.float8_e4m3fn,
                   group=16, tensor_scale=True),
 )}
 

@@ -143,9 +143,10 @@ class CommObject:
         if refusals:
             raise CallRefusedError(what, refusals) from refusal
 
-    def _check_call(self, what: str, check, *args, agreed: bool = False) -> None:
+    def _check_call(self, what: str, check, *args, agreed: bool = False):
         """This rank's checks of its next call of `what` (a name of CALLS), before anything runs: what an
-        earlier call left (``_raise_if_failed``), then check(*args), which raises ValueError for a bad argument.
+        earlier call left (``_raise_if_failed``), then check(*args), which raises ValueError for a bad argument
+        (and returns what this returns: what the checks worked out, or None).
         Where a collective agrees on every call (`agreed`: the calls are host collectives), every rank's verdict
         on it follows (``_agree``: CallRefusedError on every rank if any rank refused). Otherwise a refusal
         is told to the peers (``_tell_refusal``, a no-op without a board) and raised, unless it only reports
@@ -153,14 +154,14 @@ class CommObject:
         try:
             self._raise_if_failed()
             if not agreed:
-                check(*args)
-                return
-            refusal = None
+                return check(*args)
+            refusal = checked = None
             try:
-                check(*args)
+                checked = check(*args)
             except ValueError as error:
                 refusal = error
             self._agree(what, refusal)
+            return checked
         except ValueError as refusal:
             if not agreed and not isinstance(refusal, CallRefusedError):
                 self._tell_refusal(what, self._calls()[what] + 1, refusal)

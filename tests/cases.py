@@ -12,6 +12,11 @@ from moe_ep.reference import dequantize_fp8, quantize_fp8
 from moe_ep.routing import random_topk
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes (uint8 [..., n * itemsize]): what bit-for-bit comparisons compare."""
+    return t.contiguous().view(torch.uint8)
+
+
 def make_inputs(rank, tokens, hidden, num_experts, topk, seed, dtype=torch.bfloat16, drop=0.0, one_expert=None,
                 device="cpu"):
     """x [T, H], topk_ids [T, K] int64, topk_weights [T, K] f32 for `rank` (T = tokens[rank])."""

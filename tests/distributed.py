@@ -71,6 +71,14 @@ def refused_on_rank_0(comm, refuse, call, message: str, within_s: float) -> None
     comm.destroy()
 
 
+def assert_broken_by(comm, what: str, call) -> None:
+    """`comm` (an EPAllToAll or AsyncTP) refuses every later call, naming the refusal that broke it (`what`,
+    e.g. "dispatch call 1"): its check(), and call() (a call of it)."""
+    for attempt in (comm.check, call):
+        with pytest.raises(CommTimeoutError, match=f"{what} refused by rank 0"):
+            attempt()
+
+
 def _worker(fn, rank, world, folder, gpu, args, failed, teardown):
     log = os.open(Path(folder) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cases import make_inputs
+from cases import bits, make_inputs
 from distributed import run
 from moe_ep import EPAllToAll, reference
 from moe_ep.ep.collective import CollectiveProtocol, RowFormat, index_dtype
@@ -56,10 +56,6 @@ def _inputs(case, rank, world, seed):
     return x, ids.to(case.ids_dtype), weights.to(case.weights_dtype), max(tokens)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 def _compare(rank, world, cases, seed):
     """Two dispatches in flight (both slots), then their combines, with and without `out`: every output the
     same bits as the oracle's."""
@@ -83,19 +79,19 @@ def _compare(rank, world, cases, seed):
             assert (recv_scales is None) == (r_scales is None) == (case.fp8_group is None and payload is None)
             assert recv_scales is None or recv_scales.dtype == r_scales.dtype
             for e, count in enumerate(recv_count.tolist()):
-                assert torch.equal(_bits(recv_x[e, :count]), _bits(r_x[e, :count])), (case, e)
+                assert torch.equal(bits(recv_x[e, :count]), bits(r_x[e, :count])), (case, e)
                 if recv_scales is not None:
-                    assert torch.equal(_bits(recv_scales[e, :count]), _bits(r_scales[e, :count])), (case, e)
+                    assert torch.equal(bits(recv_scales[e, :count]), bits(r_scales[e, :count])), (case, e)
             assert torch.equal(handle.recv_src, r_handle.recv_src), case
 
             expert_out = (torch.randn(r_x.shape, generator=g) * 3).to(case.dtype)
             want = reference.combine(expert_out, r_handle)
             y = ep.combine(expert_out, handle)
             assert y.dtype == x.dtype and y.shape == x.shape
-            assert torch.equal(_bits(y), _bits(want)), case
+            assert torch.equal(bits(y), bits(want)), case
             out = torch.full_like(x, float("nan"))
             assert ep.combine(expert_out, handle, out=out) is out
-            assert torch.equal(_bits(out), _bits(want)), case
+            assert torch.equal(bits(out), bits(want)), case
         ep.destroy()
 
 
@@ -119,4 +115,4 @@ def test_row_format():
         packed = fmt.pack(rows, **parts)
         assert packed.dtype == torch.uint8 and packed.shape == (rows, fmt.nbytes)
         for name, got in fmt.unpack(packed).items():
-            assert torch.equal(_bits(got.reshape(parts[name].shape)), _bits(parts[name].to(got.dtype))), name
+            assert torch.equal(bits(got.reshape(parts[name].shape)), bits(parts[name].to(got.dtype))), name

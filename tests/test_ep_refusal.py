@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
+from distributed import assert_broken_by
 from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -55,12 +56,9 @@ def combine(ranks, given, outs):
         assert torch.equal(y, expected_combine(r, 2, given, EXPERTS, GROUP, torch.bfloat16)), r
 
 
-def assert_broken_by(ep, what):
-    """`ep` refuses every later call, naming the refusal that broke it."""
-    with pytest.raises(CommTimeoutError, match=f"{what} refused by rank 0"):
-        ep.check()
-    with pytest.raises(CommTimeoutError, match=f"{what} refused by rank 0"):
-        ep.dispatch(*inputs(seed=9)[ep.rank])
+def broken_by(ep, what):
+    """assert_broken_by with a later dispatch of `ep`."""
+    assert_broken_by(ep, what, lambda: ep.dispatch(*inputs(seed=9)[ep.rank]))
 
 
 def test_a_refused_dispatch_fails_on_the_rank_that_made_it():
@@ -82,7 +80,7 @@ def test_a_refused_dispatch_fails_on_the_rank_that_made_it():
     assert isinstance(refused.value.__cause__, CommTimeoutError)
     assert [ep._dispatches for ep in ranks] == [0, 1]
     assert not ranks[1]._symmetric[ranks[1].REFUSALS].any()          # the note is consumed
-    assert_broken_by(ranks[1], "dispatch call 1")
+    broken_by(ranks[1], "dispatch call 1")
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -106,7 +104,7 @@ def test_a_refused_combine_fails_on_the_rank_that_made_it(hook):
                                                rf"\({EXPERTS // 2}, {TOKENS}, {HIDDEN}\)"):
         ranks[1].check()
     assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + SLACK_S
-    assert_broken_by(ranks[1], "combine call 1")
+    broken_by(ranks[1], "combine call 1")
 
 
 def test_an_out_of_range_id_refuses_the_next_call_on_every_rank():
@@ -132,7 +130,7 @@ def test_an_out_of_range_id_refuses_the_next_call_on_every_rank():
     with pytest.raises(CallRefusedError, match="^dispatch call 2 refused by rank 0: " + reason):
         ranks[1].dispatch(*given[1])
     assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + SLACK_S
-    assert_broken_by(ranks[1], "dispatch call 2")
+    broken_by(ranks[1], "dispatch call 2")
 
 
 def test_a_timeout_without_a_refusal_still_breaks_the_object():

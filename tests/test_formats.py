@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cases import bits
 from moe_ep import reference
 from moe_ep.formats import FORMATS, format_of
 from moe_ep.kernels.quant import quantize_groups
@@ -54,14 +55,10 @@ def kernel_quantize(fmt, x, tensor_scale=None):
     return q, scales
 
 
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
-
-
-def _assert_same_bits(a, b):
+def _assert_samebits(a, b):
     for u, v in zip(a, b):
         assert u.dtype == v.dtype and u.shape == v.shape
-        assert torch.equal(_bits(u), _bits(v)), (_bits(u) != _bits(v)).nonzero()[:8].tolist()
+        assert torch.equal(bits(u), bits(v)), (bits(u) != bits(v)).nonzero()[:8].tolist()
 
 
 def random_rows(tokens, hidden, seed, decades=12, dtype=torch.bfloat16):
@@ -106,7 +103,7 @@ def test_kernel_matches_definition_bit_for_bit(name, tokens, hidden, seed):
     fmt = FORMATS[name]
     x = random_rows(tokens, hidden, seed, decades=4)
     for scale in ((fmt.tensor_scale_of(x), fmt.tensor_scale_of(x[0])) if fmt.tensor_scale else (None,)):
-        _assert_same_bits(kernel_quantize(fmt, x, scale), fmt.quantize(x, scale))
+        _assert_samebits(kernel_quantize(fmt, x, scale), fmt.quantize(x, scale))
 
 
 @pytest.mark.parametrize("name", SCALED)
@@ -115,7 +112,7 @@ def test_kernel_matches_definition_on_float32_and_float16_rows(name):
     for dtype in (torch.float32, torch.float16):
         x = random_rows(6, 512, 3, dtype=torch.float32).clamp(-6e4, 6e4).to(dtype)
         scale = _tensor_scale(fmt, x)
-        _assert_same_bits(kernel_quantize(fmt, x, scale), fmt.quantize(x, scale))
+        _assert_samebits(kernel_quantize(fmt, x, scale), fmt.quantize(x, scale))
 
 
 @pytest.mark.parametrize("name", SCALED)
@@ -124,7 +121,7 @@ def test_ties_round_to_even(name):
     x, scale = tie_rows(fmt)
     scale = scale if fmt.tensor_scale else None
     q, scales = fmt.quantize(x, scale)
-    _assert_same_bits(kernel_quantize(fmt, x, scale), (q, scales))
+    _assert_samebits(kernel_quantize(fmt, x, scale), (q, scales))
     y = fmt.dequantize(q, scales, scale).cpu()[0, :fmt.group]
     if fmt.element == "e2m1":
         expected = [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
@@ -141,7 +138,7 @@ def test_nvfp4_saturates_under_a_small_tensor_scale():
     x = random_rows(6, 512, 4)
     scale = fmt.tensor_scale_of(x) / 64
     q, scales = fmt.quantize(x, scale)
-    _assert_same_bits(kernel_quantize(fmt, x, scale), (q, scales))
+    _assert_samebits(kernel_quantize(fmt, x, scale), (q, scales))
     assert scales.float().max() == 448.0
     y = fmt.dequantize(q, scales, scale)
     assert torch.equal(y.abs().amax(), 6 * 448 * scale)
@@ -166,7 +163,7 @@ def test_nan_and_inf(name):
             torch.testing.assert_close(u.float(), v.float(), rtol=0, atol=0, equal_nan=True)  # either sign on CPU
         return
     assert y[poisoned].isnan().all() and y[~poisoned].isfinite().all()
-    _assert_same_bits(kernel_quantize(fmt, x, scale), (q, scales))
+    _assert_samebits(kernel_quantize(fmt, x, scale), (q, scales))
     if fmt.tensor_scale:
         assert torch.equal(scale, fmt.tensor_scale_of(x.nan_to_num(0.0, 0.0, 0.0)))
 
@@ -175,12 +172,12 @@ def _layouts(scales):
     """The same logical scales [T, G] (T even) in other layouts: MN-major (strides (1, T), what
     integrations.mn_major hands to engines; for G = 1 a size-1 last dimension of stride T), a column slice of a
     wider tensor at an offset, and [2, T / 2, G] MN-major per expert, the receive buffer's shape."""
-    bits = scales.view(torch.int32 if scales.element_size() == 4 else torch.uint8)   # copy_ on every dtype
-    rows, groups = bits.shape
-    mn = torch.empty(groups, rows, dtype=bits.dtype, device=bits.device).t().copy_(bits)
-    wide = torch.zeros(rows, groups + 3, dtype=bits.dtype, device=bits.device)[:, 1:groups + 1].copy_(bits)
-    per_expert = torch.empty(2, groups, rows // 2, dtype=bits.dtype, device=bits.device).transpose(1, 2)
-    per_expert.copy_(bits.view(2, rows // 2, groups))
+    items = scales.view(torch.int32 if scales.element_size() == 4 else torch.uint8)   # copy_ on every dtype
+    rows, groups = items.shape
+    mn = torch.empty(groups, rows, dtype=items.dtype, device=items.device).t().copy_(items)
+    wide = torch.zeros(rows, groups + 3, dtype=items.dtype, device=items.device)[:, 1:groups + 1].copy_(items)
+    per_expert = torch.empty(2, groups, rows // 2, dtype=items.dtype, device=items.device).transpose(1, 2)
+    per_expert.copy_(items.view(2, rows // 2, groups))
     return [(layout.view(scales.dtype), reshape) for layout, reshape in
             ((mn, False), (wide, False), (per_expert, True))]
 
@@ -242,7 +239,7 @@ def test_fp8_is_todays_reference_quantization():
     fmt = FORMATS["fp8"]
     x = random_rows(9, 7168, 7)
     q, scales = fmt.quantize(x)
-    _assert_same_bits((q, scales), reference.quantize_fp8(x, 128))
+    _assert_samebits((q, scales), reference.quantize_fp8(x, 128))
     assert torch.equal(fmt.dequantize(q, scales), reference.dequantize_fp8(q, scales, 128))
 
 
@@ -319,7 +316,7 @@ def test_format_of_maps_todays_flags():
     fp8_64 = format_of(True, 64, torch.bfloat16)
     assert fp8_64.name == "fp8/64" and fp8_64.group == 64 and fp8_64.row_bytes(7168) == 7168 + 112 * 4
     x = random_rows(4, 256, 9)
-    _assert_same_bits(fp8_64.quantize(x), reference.quantize_fp8(x, 64))
+    _assert_samebits(fp8_64.quantize(x), reference.quantize_fp8(x, 64))
     for group in (None, 100, 8):
         with pytest.raises(ValueError, match="power of two"):
             format_of(True, group, torch.bfloat16)

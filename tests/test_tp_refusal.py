@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from distributed import assert_broken_by
 from moe_ep import AsyncTP, CallRefusedError, CommTimeoutError
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -39,14 +40,6 @@ def operands(op):
     return (torch.randn(ROWS, K), w), (torch.randn(ROWS, K), w.to("meta")), "gemm_ar: w is on meta, expected cpu"
 
 
-def assert_broken_by(tp, what, good):
-    """`tp` refuses every later call, naming the refusal that broke it."""
-    with pytest.raises(CommTimeoutError, match=f"{what} refused by rank 0"):
-        tp.check()
-    with pytest.raises(CommTimeoutError, match=f"{what} refused by rank 0"):
-        tp.gemm_ar(*good)
-
-
 @pytest.mark.parametrize("op,path", [("ag_gemm", "fused"), ("ag_gemm", "chunked"), ("gemm_rs", "fused"),
                                      ("gemm_rs", "chunked"), ("gemm_ar", "fused")])
 def test_a_refused_call_fails_on_the_rank_that_made_it(op, path):
@@ -66,7 +59,7 @@ def test_a_refused_call_fails_on_the_rank_that_made_it(op, path):
     assert isinstance(refused.value.__cause__, CommTimeoutError)
     assert [tp._calls()[op] for tp in ranks] == [0, 1]
     assert not ranks[1]._symmetric[ranks[1].REFUSALS].any()          # the note is consumed
-    assert_broken_by(ranks[1], f"{op} call 1", operands("gemm_ar")[0])
+    assert_broken_by(ranks[1], f"{op} call 1", lambda: ranks[1].gemm_ar(*operands("gemm_ar")[0]))
 
 
 def test_a_note_names_its_call():

@@ -161,6 +161,13 @@ def _fp8_dispatch(rank, world):
     assert (y - expected).norm() <= 0.05 * expected.norm()       # FP8 e4m3 rounding of the inputs
 
 
+def experts_for(experts_class, config, quant, prepare_finalize):
+    """Experts sized as vLLM's oracles size them: by the prepare/finalize's max_num_tokens_per_rank() and
+    num_dispatchers(), asked before FusedMoEKernel's post_init_setup (which must build nothing yet)."""
+    return experts_class(config, quant, max_num_tokens=prepare_finalize.max_num_tokens_per_rank(),
+                         num_dispatchers=prepare_finalize.num_dispatchers())
+
+
 class UE8M0Experts(moe_ep_vllm.GroupedGemmExperts):
     """Experts that say they take packed UE8M0 activation scales (as vLLM's DeepGEMM experts do on Blackwell)."""
 
@@ -175,7 +182,7 @@ def _ue8m0_dispatch(rank, world):
     quant = FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
     config = moe_config(world, rank, topk, hidden=hidden)
     prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
-    mk.FusedMoEKernel(prepare_finalize, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
+    mk.FusedMoEKernel(prepare_finalize, experts_for(UE8M0Experts, config, quant, prepare_finalize))
     ep = prepare_finalize.ep
     assert ep.payload.name == "fp8_ue8m0" and ep is moe_ep_vllm.all_to_all(
         MAX_TOKENS, hidden, EXPERTS, topk, torch.float32, backend="reference", payload="fp8_ue8m0")
@@ -205,8 +212,7 @@ def _ue8m0_layers_build_one_all_to_all(rank, world):
 
     def layer(experts_class):
         prepare_finalize = moe_ep_vllm.make_prepare_finalize(config, quant, backend="reference")
-        mk.FusedMoEKernel(prepare_finalize, experts_class(config, quant, max_num_tokens=MAX_TOKENS,
-                                                          num_dispatchers=world))
+        mk.FusedMoEKernel(prepare_finalize, experts_for(experts_class, config, quant, prepare_finalize))
         return prepare_finalize.ep
 
     def built():

@@ -92,7 +92,14 @@ IDS_DTYPES = (torch.int32, torch.int64)
 # The payload formats dispatch applies (moe_ep.formats): elements one per payload item (not nvfp4's packed
 # e2m1, which the kernels do not quantize yet), scales none, float32 or UE8M0.
 DISPATCH_SCALES = ("none", "fp32", "ue8m0")
-DISPATCH_FORMATS = tuple(name for name, f in FORMATS.items() if f.scale in DISPATCH_SCALES and f.element_pack == 1)
+
+
+def dispatchable(fmt: PayloadFormat) -> bool:
+    """Whether dispatch's kernels apply `fmt` (DISPATCH_SCALES, one element a payload item)."""
+    return fmt.scale in DISPATCH_SCALES and fmt.element_pack == 1
+
+
+DISPATCH_FORMATS = tuple(name for name, f in FORMATS.items() if dispatchable(f))
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -212,7 +219,7 @@ class EPAllToAll(runtime.CommObject):
             ep = cls.__new__(cls)
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
                           "nvshmem", timeout_s, validate, timing, num_sms, elastic, puts, payload)
-            ep.group, ep.device, ep._heap = None, torch.device("cpu"), heap
+            ep.group, ep.device, ep._heap = None, torch.device("cpu"), heap   # _heap: keeps it alive (held weakly)
             node = rank * nodes // world
             remote = put_peers(world, rank, lambda r: r * nodes // world == node, puts)
             ep._build(EPResources(None, ep.device, heap.allocator(rank), num_sms, put_peers=remote))
@@ -560,7 +567,7 @@ def payload_format(payload, fp8_dispatch: bool = True, fp8_group: int = FP8_GROU
     if (not fp8_dispatch and fmt.group) or (fp8_group != FP8_GROUP and fp8_group != fmt.group):
         raise ValueError(f"payload={fmt.name!r} disagrees with fp8_dispatch={fp8_dispatch}, fp8_group={fp8_group}: "
                          f"pass the payload alone")
-    if fmt.scale not in DISPATCH_SCALES or fmt.element_pack != 1:
+    if not dispatchable(fmt):
         raise ValueError(f"payload format {fmt.name!r} is not yet supported by dispatch; supported: "
                          f"{', '.join(DISPATCH_FORMATS)}")
     if not fmt.group and fmt.payload_dtype != dtype:

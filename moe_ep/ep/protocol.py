@@ -344,9 +344,13 @@ class KernelProtocol(EPProtocol):
         specialization, so that a CUDA graph captured later compiles none: their modules link NVSHMEM, which
         cannot initialize one while a stream is being captured; without, once per ids dtype (a launch
         compiles any other specialization itself, as it may inside a capture)."""
+        key = ("dispatch", slot, topk_ids.dtype)
+        if not self.remote and key in self._ready:          # the common case: nothing more to build
+            return
         tokens = x.shape[0]
         values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
-        key = ("dispatch", slot, self._dispatch_send[slot].key(values) if self.remote else topk_ids.dtype)
+        if self.remote:
+            key = ("dispatch", slot, self._dispatch_send[slot].key(values))
         if key in self._ready or capturing(self.device):
             return
         sends = [self._dispatch_send[slot], self._prefill[0][slot]]

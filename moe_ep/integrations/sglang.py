@@ -203,8 +203,9 @@ class MoeEpDispatcher(BaseDispatcher):
         """The EPAllToAll of this layer's shape for tokens on `device`, shared with the other layers of that
         shape (collective when the first of them dispatches)."""
         if self._ep is None or self._ep.device != device:
-            self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype, False,
-                                  self.group, self.backend, device, self.elastic, self.payload)
+            self._ep = all_to_all(self.max_tokens, self.hidden, self.num_experts, self.topk, self.dtype,
+                                  group=self.group, backend=self.backend, device=device, elastic=self.elastic,
+                                  payload=self.payload)
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
             self._members = torch.tensor(list(ranks), device=device)
         return self._ep

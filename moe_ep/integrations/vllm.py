@@ -163,7 +163,9 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise ValueError("MoeEpPrepareAndFinalize takes an EPAllToAll, or of_payload and the layer's moe config")
         self._ep = ep
         self.of_payload = of_payload
-        self.payload = payload if ep is None else ep.payload.name     # the format's name; None: the layer's dtype
+        if ep is not None:                          # the format's name; None: the layer's dtype, unquantized
+            payload = ep.payload.name if ep.payload.group else None
+        self.payload = payload
         self.max_tokens, self.hidden, self.world = ((moe.max_num_tokens, moe.hidden_dim,
                                                      moe.num_experts // moe.num_local_experts) if ep is None else
                                                     (ep.max_tokens, ep.hidden, ep.world))

@@ -179,6 +179,9 @@ DEFAULT_VARIANT = "tma"
 FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
 
 
+GROUP_M = 8     # row tiles a group of the tile order walks before the next columns: w's strips stay in L2
+
+
 def tile_config(rows: int, n: int, element_size: int) -> dict:
     """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank).
 
@@ -188,7 +191,7 @@ def tile_config(rows: int, n: int, element_size: int) -> dict:
     block_m = 128 if rows > 64 else 64
     block_n = 256 if n >= 2048 and element_size == 2 else 128
     block_k = 64 if element_size == 2 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
                 num_warps=8 if block_m * block_n >= 128 * 256 else 4, num_stages=3)
 
 
@@ -330,6 +333,7 @@ SUM_BLOCK = 1024           # elements per program of sum_splits_kernel: 4 warps,
 # 0.94-0.98x. More: 128 x 128 x 128 tiles, two row blocks side by side (the second reads the weights from L2),
 # 0.78-0.85x at 256 rows: one tile an SM, 112-128 tiles for 132 SMs, leaves the tensor cores short of cuBLAS's
 # rate (split K costs more than the idle SMs: see small_m_config).
+SMALL_M_K_BYTES = 256     # BLOCK_K of every small-M tile, in bytes of a row: 128 columns in bf16 (see above)
 SMALL_M_TILES = (
     (32, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
@@ -348,9 +352,13 @@ def fused_tile_config(rows: int, n: int, element_size: int) -> dict:
     loop at small M"). Inside the fused kernels' persistent loop these tiles are not yet measured."""
     if rows > SMALL_M_ROWS or element_size != 2:
         return tile_config(rows, n, element_size)
-    tiles = next(t for most, t in SMALL_M_TILES if most is None or rows <= most)
-    return dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=256 // element_size, GROUP_M=8,
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    return dict(small_m_tiles(rows, element_size), GROUP_M=GROUP_M)
+
+
+def small_m_tiles(rows: int, element_size: int) -> dict:
+    """SMALL_M_TILES' tile and launch options for `rows` rows, with BLOCK_K SMALL_M_K_BYTES of a row."""
+    tile = next(t for most, t in SMALL_M_TILES if most is None or rows <= most)
+    return dict(tile, BLOCK_K=SMALL_M_K_BYTES // element_size)
 
 
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
@@ -402,7 +410,7 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
     a second launch (on an H200, 60 -> 75 us at m = 256, n = 7168, k = 8192 in 2 slices), which only more SMs
     at work repay: at n = 3584 (tensor parallelism 8 of 28672) and 128 rows, 56 tiles, 2 slices ran at 0.85x
     cuBLAS, one at 0.72x; bench_gemm.py's other K x N have 112-256 tiles, one slice."""
-    tiles = next(dict(t, BLOCK_K=256 // element_size) for rows, t in SMALL_M_TILES if rows is None or m <= rows)
+    tiles = small_m_tiles(m, element_size)
     count = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
     blocks = triton.cdiv(k, tiles["BLOCK_K"])
     return dict(tiles, splits=max(1, min(sms // max(count, 1), blocks // MIN_SPLIT_BLOCKS)))

@@ -289,7 +289,8 @@ def quantize_rows_fp8(x: torch.Tensor, group: int = 128):
 
 
 def dequantize_rows_fp8(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """(q [..., H] fp8, scales [..., H / group]) -> float32 [..., H]."""
+    """(q [..., H] fp8 (or any values), scales [..., H / group]) -> float32 [..., H]: each group times its
+    scale."""
     return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
 
 
@@ -317,7 +318,7 @@ def dequantize_rows_ue8m0(q: torch.Tensor, exponents: torch.Tensor, group: int) 
     """(q [..., H] fp8, biased exponents [..., H / group] uint8) -> float32 [..., H]; exponent 0xFF is NaN."""
     biased = exponents.int()
     scales = torch.where(biased == UE8M0_NAN.value, float("nan"), (biased << 23).view(torch.float32))
-    return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+    return dequantize_rows_fp8(q, scales, group)
 
 
 def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -358,4 +359,4 @@ def dequantize_rows_nvfp4(q: torch.Tensor, scales: torch.Tensor, tensor_scale: t
     table = torch.cat((magnitudes, -magnitudes))
     values = table[torch.stack((q & 0xF, q >> 4), -1).flatten(-2).long()]
     factor = scales.float() * tensor_scale.to(device=q.device, dtype=torch.float32)
-    return (values.unflatten(-1, (-1, group)) * factor[..., None]).flatten(-2)
+    return dequantize_rows_fp8(values, factor, group)

@@ -152,7 +152,7 @@ class AsyncTP(runtime.CommObject):
             tp = cls.__new__(cls)
             tp._configure(TPConfig(world, rank, max_rows, max_features, dtype, "nvshmem", overlap, timeout_s,
                                    tile_loop))
-            tp.group, tp.device, tp._heap = None, torch.device("cpu"), heap
+            tp.group, tp.device, tp._heap = None, torch.device("cpu"), heap   # _heap: keeps it alive (held weakly)
             tp.tuner = Autotuner(tp.config, None, tp.device)
             tp._build(heap.allocator(rank), programs)
             tp._open_refusals(heap.allocator(rank), SimulatedHeap.put)
@@ -203,28 +203,27 @@ class AsyncTP(runtime.CommObject):
         anything runs (``CommObject._check_call``: every rank's verdict agreed on the reference backend, a
         refusal told to the peers on nvshmem); counts the call; (M, K, N) of the call's [M, K] @ [K, N], M
         over all ranks."""
-        self._check_call(op, self._check_operands, op, a, w, agreed=self.backend == "reference")
+        sizes = self._check_call(op, self._check_operands, op, a, w, agreed=self.backend == "reference")
         self._made[op] += 1
-        return self._sizes(op, a, w)
+        return sizes
 
-    def _sizes(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
-        """(M, K, N) of a call's [M, K] @ [K, N], M over all ranks (ag_gemm's a is this rank's shard of them)."""
-        (m, k), n = a.shape, w.shape[1]
-        return m * self.world if op == "ag_gemm" else m, k, n
-
-    def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> None:
+    def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
         """ValueError unless `op`'s a and w are 2-D operands of this object's dtype and device whose
-        product fits its bounds."""
+        product fits its bounds; (M, K, N) of the call's [M, K] @ [K, N], M over all ranks (ag_gemm's a is
+        this rank's shard of them)."""
         self._expect(f"{op}: a", a, (self.dtype,), dim=2)
         self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
         if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
             raise ValueError(f"{op}: w spans 2**31 elements or more; the kernels use 32-bit offsets")
         if a.shape[1] != w.shape[0]:
             raise ValueError(f"{op}: a is {tuple(a.shape)} and w is {tuple(w.shape)}: a's columns must equal w's rows")
-        m, k, n = self._sizes(op, a, w)
+        (m, k), n = a.shape, w.shape[1]
+        if op == "ag_gemm":
+            m *= self.world
         if op == "gemm_rs" and m % self.world:
             raise ValueError(f"gemm_rs: M={m} rows cannot be scattered evenly over {self.world} ranks")
         self.config.check_bounds(op, m, *(("K", k) if op == "ag_gemm" else ("N", n)))
+        return m, k, n
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
