@@ -382,7 +382,7 @@ def _elastic_dispatchers(rank, world):
     active = torch.ones(world, dtype=torch.int32)
     ElasticEPStateManager._instance = ElasticEPState(active, active.clone(), active.clone(), effective_ep_size=world)
     simulated = iter(EPAllToAll.simulated(**SIMULATED, fp8_group=GROUP, timeout_s=TIMEOUT_S, elastic=True))
-    moe_ep_sglang.all_to_all = lambda *args: next(simulated)        # rank r's, at rank r's first dispatch
+    moe_ep_sglang.all_to_all = lambda *args, **options: next(simulated)   # rank r's, at rank r's first dispatch
     dispatchers = [moe_ep_sglang.MoeEpDispatcher(experts, experts // world, SIMULATED["hidden"], SIMULATED["topk"],
                                                  torch.bfloat16, max_tokens=SIMULATED["max_tokens"], elastic=True)
                    for _ in range(world)]
