@@ -11,10 +11,11 @@
 #             grouped-GEMM benchmarks after them (29 and 17 s warm on 2026-11-24) were past the 490 s the last
 #             run had (benchmarks/NOTES.md, "The gate runs of 2026-11-26, afternoon").
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
-#             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep), the tutorials, and the
-#             EP (DeepEP beside us, where .deepep/ holds its source; the put path beside the pointer path),
-#             MoE-layer and async-TP benchmarks at every GPU; the tests and the tutorials run side by side (the
-#             GPUs time-slice between the jobs), the benchmarks one at a time, alone
+#             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
+#             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
+# multi_bench the benchmarks at every GPU, one at a time, alone: DeepEP's, then EP (the put path and the payload
+#             formats beside the pointer path; DeepEP merged in), async TP, the MoE layer. Run multi, then
+#             multi_bench: two calls of at most 600 s each on a machine with a warm compile cache
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
@@ -39,7 +40,7 @@
 # importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
 # and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi tests_ep tests_moe tests_tp elastic
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench tests_ep tests_moe tests_tp elastic
   tests_cpu engines tutorials sweep8 deepep bench_ep bench_moe bench_gemm bench_tp bench_full"
 out="${1:?$usage}"
 shift
@@ -191,9 +192,9 @@ for part in $parts; do
       # Six lanes of jobs side by side, a rank on every GPU (the GPUs time-slice between the jobs; their
       # compiles share the CPUs): the EP file in two (its sweep and back-to-back calls; the rest); the put path
       # and NVSHMEM's wrappers, then the engines; async TP, the MoE layer and quant; the tutorials; elastic EP;
-      # DeepEP's build on the CPUs beside them. Then the benchmarks, one at a time on an otherwise idle machine
-      # (EP's with 50 repetitions a decode setting, 12 at prefill). Limits: 1.5-2x each step's time on 4 x H200
-      # (benchmarks/NOTES.md, "On 2 and 4 GPUs" and "The gate runs of 2026-11-26, afternoon").
+      # DeepEP's build on the CPUs beside them. The lanes ran 360 s on 4 x H200 from a one-GPU cache, the TP
+      # lane longest; limits about 1.5x each step's time there (benchmarks/NOTES.md, "The gate runs of
+      # 2026-11-26, afternoon" and "evening"). The benchmarks are multi_bench, the next call on the machine.
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
       lane multi_ep 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
@@ -202,7 +203,7 @@ for part in $parts; do
         -m gpu tests/test_ep_gpu.py -k "not sweep and not back_to_back"
       lane multi_puts 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
         -m gpu tests/test_ep_puts_gpu.py tests/test_shmem_gpu.py --and-then engine_tests 240
-      lane multi_tp 360 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
+      lane multi_tp 480 env MOE_EP_TEST_WORLDS=$gpus python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_tp_gpu.py tests/test_moe_layer.py tests/test_quant.py
       lane tutorial01 90 bash launch.sh tutorials/01-ring-exchange.py \
         --and-then tutorial02 120 bash launch.sh tutorials/02-ep-all-to-all.py \
@@ -213,11 +214,19 @@ for part in $parts; do
       wait
       cat "$out"/*.lane
       lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 \
-        tutorial04 tutorial06
+        tutorial04 tutorial06 ;;
+    multi_bench)
+      # The benchmarks at every GPU, one at a time on an otherwise idle machine: DeepEP's (built first where
+      # multi has not), then ours, which merges it into its table (EP's with 50 repetitions a decode setting, 12
+      # at prefill; the put path and the payload formats beside the pointer path), async TP's, the MoE layer's.
+      # On 4 x H200 from a cache without their 4-GPU kernels the EP benchmark took over 50 s a setting (the put
+      # path's compiles); with one, the whole part fits a 600 s call.
+      if (( gpus < 2 )); then skip multi_bench "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
+      deepep_build step
       deepep_bench
-      step bench_all_to_all 180 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50
-      step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out"
-      step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
+      step bench_all_to_all 300 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --formats --iters 50
+      step bench_tp 120 bash launch.sh benchmarks/bench_tp.py --out "$out"
+      step bench_moe_layer 120 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     deepep) deepep_build step
             deepep_bench ;;
     tests_ep) step pytest_ep 540 python3 -m pytest -q -rs -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py \
