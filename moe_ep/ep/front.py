@@ -76,7 +76,7 @@ from .. import runtime
 from ..formats import FORMATS, FP8_GROUP, PayloadFormat, format_of
 from ..kernels import status
 from ..routing import random_topk
-from ..shmem import SimulatedHeap
+from ..simulated import SimulatedHeap
 from ..timing import median_us, why_untimed
 from .collective import CollectiveProtocol
 from .low_latency import LowLatency
@@ -206,7 +206,7 @@ class EPAllToAll(runtime.CommObject):
                   num_sms: int = 1, elastic: bool = False, puts: str = "auto", nodes: int = 1,
                   payload: str | PayloadFormat | None = None) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
-        the symmetric buffers are plain tensors (``shmem.SimulatedHeap``) and the peer tables hold their
+        the symmetric buffers are plain tensors (``simulated.SimulatedHeap``) and the peer tables hold their
         addresses. The ranks form `nodes` nodes of world / nodes consecutive ranks: a rank reaches the
         ranks of its node through pointers, the others through puts (or every other rank, with puts="all").
         Under the Triton interpreter the kernels run for real, puts emulated (one program at a time: issue

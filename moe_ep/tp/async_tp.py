@@ -74,7 +74,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..kernels.matmul import DEFAULT_VARIANT, fused_tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
-from ..shmem import SimulatedHeap
+from ..simulated import SimulatedHeap
 from . import plain
 from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .autotune import Autotuner
@@ -142,7 +142,7 @@ class AsyncTP(runtime.CommObject):
                   overlap: str = "fused", timeout_s: float = 5.0, tile_loop: str = DEFAULT_VARIANT,
                   programs: int = 3) -> list[AsyncTP]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM: the
-        symmetric buffers are plain tensors (``shmem.SimulatedHeap``), a rank's peer views the other ranks'
+        symmetric buffers are plain tensors (``simulated.SimulatedHeap``), a rank's peer views the other ranks'
         tensors, and copies and flags are made by the host. Under the Triton interpreter the kernels run for
         real, one program at a time: run each phase of a call (pushes and sends, then the waiting GEMMs) on
         every rank in turn. A call through the public methods begins with its barrier, which waits for every
