@@ -1,5 +1,6 @@
-"""The symmetric heap of a world simulated in one process, on the CPU (``EPAllToAll.simulated``,
-``AsyncTP.simulated``): no torch.distributed, no NVSHMEM, every rank's object in this process.
+"""A world simulated in one process, on the CPU (``EPAllToAll.simulated``, ``AsyncTP.simulated``): no
+torch.distributed, no NVSHMEM, every rank's object in this process (``simulated_ranks``), their symmetric
+buffers plain tensors on one ``SimulatedHeap``.
 
 Every simulated rank allocates its symmetric buffers in the same order, as NVSHMEM's collective
 allocations do, so that a symmetric address of one rank names the same place in any other's. Under the
@@ -52,3 +53,19 @@ class SimulatedHeap:
         """``runtime.put_on_stream`` in a simulated world: copy the contiguous `src` into `pe`'s copy of `dst`,
         a view of a simulated rank's symmetric tensor."""
         cls.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), pe)
+
+
+def simulated_ranks(cls, world: int, build) -> list:
+    """One object of the ``runtime.CommObject`` subclass `cls` for each rank of a simulated `world`, in rank
+    order, without its constructor: each on the CPU, with no process group, its symmetric buffers on one
+    SimulatedHeap. ``build(obj, rank, symmetric_zeros)`` configures the object of `rank` and allocates its
+    symmetric buffers from ``symmetric_zeros(shape, dtype)``; its refusal board follows them, its notes
+    copied between the ranks at once. Connecting the ranks (their peer tables) is the caller's."""
+    heap, ranks = SimulatedHeap(world), []
+    for rank in range(world):
+        comm = cls.__new__(cls)
+        comm.group, comm.device, comm._heap = None, torch.device("cpu"), heap   # _heap: keeps it alive (held weakly)
+        build(comm, rank, heap.allocator(rank))
+        comm._open_refusals(heap.allocator(rank), SimulatedHeap.put)
+        ranks.append(comm)
+    return ranks
