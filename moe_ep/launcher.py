@@ -112,7 +112,8 @@ class BoundKernel:
             grid = self.grid if programs is None else min(programs, self.grid)
             self.fn[(grid,)](**self.fixed, **dict(zip(self.varying, values)), **self.options)
             return
-        args, key = self._arguments(values)
+        args = self._template.copy()
+        key = self.key(values, args)
         found = self._compiled.get(key)
         if found is None:
             found = self._compiled[key] = self._compile(dict(zip(self.varying, values)))
@@ -134,14 +135,11 @@ class BoundKernel:
             if key not in self._compiled:
                 self._compiled[key] = self._compile(dict(zip(self.varying, values)))
 
-    def key(self, values) -> tuple:
-        """The specialization key a call with these values of `varying` selects."""
-        return self._arguments(values)[1]
-
-    def _arguments(self, values) -> tuple[list, tuple]:
-        """Every argument of a call with these values of `varying`, as the compiled launcher takes them, and the
-        specialization key they select: what each value's specialization depends on, flat."""
-        args, key = self._template.copy(), []
+    def key(self, values, args: list | None = None) -> tuple:
+        """The specialization key a call with these values of `varying` selects: what each value's specialization
+        depends on, flat. Given `args` (a copy of the bound argument list), also puts each value in its place
+        there as the compiled launcher takes it (a tensor as its address)."""
+        key = []
         for position, keyed, value in zip(self._positions, self._keyed, values):
             if isinstance(value, torch.Tensor):
                 address = value.data_ptr()
@@ -153,8 +151,9 @@ class BoundKernel:
             elif keyed:                                      # an int
                 key.append(value == 1)
                 key.append(value % 16 == 0)
-            args[position] = value
-        return args, tuple(key)
+            if args is not None:
+                args[position] = value
+        return tuple(key)
 
     def _compile(self, arguments: dict):
         """The compiled kernel for these values of `varying` (compiling it if new), loaded, and its grid."""

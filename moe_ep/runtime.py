@@ -4,8 +4,8 @@ One process owns one NVSHMEM processing element (PE) on one GPU; PE numbers equa
 the process group NVSHMEM was started on (the default group unless the first object that starts
 it names another). A job may run more ranks than GPUs (shared-GPU mode: rank r on GPU r % GPUs,
 gloo for the host group, CUDA MPS underneath; ``moe_ep.mps``). Everything here is host code and
-imports nothing else from the package but the standard-library-only ``mps`` and ``collectives``
-(torch.distributed's collectives for tensors on any device).
+imports nothing else from the package but ``mps`` (standard library only) and ``refusals`` (torch.distributed
+and ``collectives``, its collectives for tensors on any device).
 
     import torch.distributed as dist
     from moe_ep import runtime
@@ -23,8 +23,9 @@ Kernels that call NVSHMEM device functions (``moe_ep.shmem``) are launched with
 
 Host-side moves that use no SM: ``put_on_stream`` (copy engine) and ``stream_write_value``
 (a flag written by the stream itself). ``CommObject`` is the base of the objects that own
-symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError, and the exchanges by which
-every rank of a group learns that some rank refused a call (CallRefusedError) or was built differently.
+symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError, and (``moe_ep.refusals``)
+the exchanges by which every rank of a group learns that some rank refused a call (CallRefusedError) or was
+built differently.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import collectives, mps
+from . import mps
+from .refusals import CallRefusedError, Refusals
 
 __all__ = [
     "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init",
@@ -68,139 +70,19 @@ class CommTimeoutError(RuntimeError):
     """A device-side wait ran past its bound; the object that raised it cannot be used again."""
 
 
-class CallRefusedError(ValueError):
-    """A collective call (a constructor, a reference dispatch or combine) that one or more ranks refused,
-    raised on every rank of the group with the same message, so that no rank is left waiting for the
-    refusing one; or a kernel's call that peers refused, raised where a wait for them timed out
-    (``CommObject._raise_refused``). `refusals` maps each refusing rank to its reason (the ValueError it
-    raised)."""
-
-    def __init__(self, what: str, refusals: dict[int, str]):
-        self.what, self.refusals = what, refusals
-        ranks_of: dict[str, list[int]] = {}
-        for rank, reason in sorted(refusals.items()):
-            ranks_of.setdefault(reason, []).append(rank)
-        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
-                 for reason, ranks in ranks_of.items()]
-        super().__init__(f"{what} refused by " + "; ".join(parts))
-
-
-def _reason_bytes(refusal: ValueError | None, size: int) -> torch.Tensor:
-    """uint8 [size]: the message of `refusal` (its type's name where empty) in UTF-8, cut to `size` bytes
-    ("..." ending what was cut) and padded with zeros; all zeros for None."""
-    out = torch.zeros(size, dtype=torch.uint8)
-    if refusal is not None:
-        reason = (str(refusal) or type(refusal).__name__).encode()
-        reason = reason if len(reason) <= size else reason[:size - 3] + b"..."
-        out[:len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
-    return out
-
-
-def _reason_text(row: torch.Tensor) -> str:
-    """The message ``_reason_bytes`` wrote into the uint8 `row`."""
-    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-class CommObject:
+class CommObject(Refusals):
     """What the host objects (EPAllToAll, AsyncTP) share: symmetric buffers that destroy() frees,
-    and the status of their kernels' bounded waits, which check() turns into CommTimeoutError.
+    the status of their kernels' bounded waits, which check() turns into CommTimeoutError, and
+    (``refusals.Refusals``) the checks of each call, with the exchanges by which every rank learns
+    that some rank refused it.
 
     Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32, the timeout report of
     moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `world`, `backend`,
     `timeout_s`, and TAGS (status tag -> what was waited for).
-
-    A call is checked by ``_check_call`` before anything runs. Where the calls are host collectives, every
-    rank's verdict on each is exchanged (``_agree``). A subclass whose calls are kernels waiting on each
-    other (no collective agrees on them) opens a refusal board (``_open_refusals``): a rank that refuses a
-    call writes why into its row of every peer's board (``_tell_refusal``), and a peer whose wait for it
-    then times out raises CallRefusedError naming it (``_raise_refused``) instead of the bare
-    CommTimeoutError.
     """
 
     TAGS: dict[int, str] = {}
     REPORT_WORDS = 5         # _status's timeout report: [code, peer, tag, value seen, target] (shmem.STATUS_WORDS)
-    VERDICT_BYTES = 256      # a refusal's reason as every rank reads it (the checks' messages fit; longer is cut)
-    CALLS: tuple[str, ...] = ()   # the calls a subclass counts (``_calls``), which a refusal note names
-    NOTE_HEADER = 16         # bytes of a note before its reason: int64 CALLS index + 1 (0: no note), int64 call
-    REFUSALS = "refusals"    # the board's name among the symmetric buffers
-
-    def _agree(self, what: str, refusal: ValueError | None) -> None:
-        """Every rank's verdict on a collective call, before the call's own collectives: one all_gather of
-        VERDICT_BYTES per rank, bounded by ``timeout_s``. A rank that refused (`refusal`, its ValueError)
-        still takes part with its reason, so that every rank raises the same CallRefusedError naming it,
-        and no rank enters the call's collectives alone. A rank that does not take part within timeout_s
-        (it made another call, or none) breaks the object: CommTimeoutError here and at every later call."""
-        verdict = _reason_bytes(refusal, self.VERDICT_BYTES)
-        verdicts = torch.empty(dist.get_world_size(self.group) * self.VERDICT_BYTES, dtype=torch.uint8)
-        try:
-            collectives.all_gather_into_tensor(verdicts, verdict, group=self.group, timeout_s=self.timeout_s)
-        except RuntimeError as error:
-            self._broken = (f"rank {self.rank}: {what} was not agreed by every rank within {self.timeout_s}s (a "
-                            f"rank of the group made another call, or none): {error}")
-            raise CommTimeoutError(self._broken) from error
-        refusals = {rank: _reason_text(row)
-                    for rank, row in enumerate(verdicts.view(-1, self.VERDICT_BYTES)) if row[0]}
-        if refusals:
-            raise CallRefusedError(what, refusals) from refusal
-
-    def _check_call(self, what: str, check, *args, agreed: bool = False):
-        """This rank's checks of its next call of `what` (a name of CALLS), before anything runs: what an
-        earlier call left (``_raise_if_failed``), then check(*args), which raises ValueError for a bad argument
-        (and returns what this returns: what the checks worked out, or None).
-        Where a collective agrees on every call (`agreed`: the calls are host collectives), every rank's verdict
-        on it follows (``_agree``: CallRefusedError on every rank if any rank refused). Otherwise a refusal
-        is told to the peers (``_tell_refusal``, a no-op without a board) and raised, unless it only reports
-        peers' refusals (CallRefusedError)."""
-        try:
-            self._raise_if_failed()
-            if not agreed:
-                return check(*args)
-            refusal = checked = None
-            try:
-                checked = check(*args)
-            except ValueError as error:
-                refusal = error
-            self._agree(what, refusal)
-            return checked
-        except ValueError as refusal:
-            if not agreed and not isinstance(refusal, CallRefusedError):
-                self._tell_refusal(what, self._calls()[what] + 1, refusal)
-            raise
-
-    def _configure_on_every_rank(self, what: str, configure, settings: dict, group, backend: str, device) -> None:
-        """A constructor's checks, agreed by every rank: configure() (which raises ValueError for a bad
-        argument) and ``_place``'s device check on this rank, then ``_agree_on_settings`` over `group`."""
-        refusal = None
-        try:
-            configure()
-            self._place(group, backend, device)
-        except ValueError as error:
-            refusal = error
-        self._agree_on_settings(what, settings, refusal, group)
-
-    @staticmethod
-    def _agree_on_settings(what: str, settings: dict, refusal: ValueError | None, group=None) -> None:
-        """A constructor's one exchange (collective, once): every rank's `settings` (the arguments every
-        rank must pass alike) and its `refusal` (the ValueError its checks raised, or None). Raises on
-        every rank: CallRefusedError if a rank refused, else ValueError naming each setting the ranks
-        differ on, with each value's ranks."""
-        every: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, (None if refusal is None else str(refusal), settings), group=group)
-        refusals = {rank: reason for rank, (reason, _) in enumerate(every) if reason is not None}
-        if refusals:
-            raise CallRefusedError(what, refusals) from refusal
-        differences = []
-        for name in settings:
-            ranks_of: dict[str, list[int]] = {}
-            for rank, (_, theirs) in enumerate(every):
-                ranks_of.setdefault(repr(theirs.get(name)), []).append(rank)
-            if len(ranks_of) > 1:
-                values = ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                                   for value, r in ranks_of.items())
-                differences.append(f"{name} ({values})")
-        if differences:
-            raise ValueError(f"{what}: the ranks of the group were built with different settings, which must be the "
-                             f"same on every rank: {'; '.join(differences)}")
 
     @staticmethod
     def _place(group, backend: str, device=None) -> torch.device | None:
@@ -267,70 +149,16 @@ class CommObject:
             raise CommTimeoutError(self._broken)
         if self._status is not None and int(self._status[0]):
             _, peer, tag, seen, target = self._status.tolist()[:self.REPORT_WORDS]
-            self._broken = (f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
-                            f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")
-            timeout = CommTimeoutError(self._broken)
+            timeout = self._break(f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after "
+                                  f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected "
+                                  f"{target}){self._context()}")
             self._raise_refused(timeout)
             raise timeout
 
-    # ------------------------------------------------------------------------------------ refusals
-
-    def _open_refusals(self, symmetric_zeros, put) -> None:
-        """The refusal board, from symmetric_zeros(shape, dtype) (collective: allocated with the object's other
-        symmetric buffers, in the same order on every rank): uint8 [W, NOTE_HEADER + VERDICT_BYTES], row r
-        the note of the last call rank r refused. `put(dst, src, pe)` copies the contiguous `src` into `pe`'s
-        copy of `dst`, a view of a symmetric tensor (``put_on_stream``: over whatever transport reaches pe)."""
-        self._symmetric[self.REFUSALS] = symmetric_zeros((self.world, self.NOTE_HEADER + self.VERDICT_BYTES),
-                                                         torch.uint8)
-        self._put = put
-
-    def _calls(self) -> dict[str, int]:
-        """How many calls of each name of CALLS this rank has made (a note names call n of one of them)."""
-        return {}
-
-    def _tell_refusal(self, what: str, call: int, refusal: ValueError) -> None:
-        """This rank refused call number `call` of `what` (a name of CALLS) with `refusal`: its note (which
-        call, and why, cut to VERDICT_BYTES) is put into this rank's row of every peer's board, with no
-        collective, from a stream of its own (this rank's queued kernels may be waiting on peers), which this
-        waits for. Nothing without a board, or while a CUDA graph is being captured (no peer runs then)."""
-        board = self._symmetric.get(self.REFUSALS)
-        cuda = self.device.type == "cuda"
-        if board is None or (cuda and torch.cuda.is_current_stream_capturing()):
-            return
-        header = torch.tensor([self.CALLS.index(what) + 1, call], dtype=torch.int64).view(torch.uint8)
-        note = torch.cat([header, _reason_bytes(refusal, self.VERDICT_BYTES)])
-        stream = torch.cuda.Stream(self.device) if cuda else None
-        with torch.cuda.stream(stream):
-            note = note.to(self.device)
-            for pe in range(self.world):
-                if pe != self.rank:
-                    self._put(board[self.rank], note, pe)
-        if stream is not None:
-            stream.synchronize()
-
-    def _raise_refused(self, timeout: CommTimeoutError) -> None:
-        """A wait of this rank timed out (`timeout`, not raised yet). If peers left notes of calls this rank
-        has made (the one that failed, or an earlier one not yet reported), consume them and raise
-        CallRefusedError naming those ranks and their reasons, from `timeout`; the object stays broken, as
-        after any timeout (its peers' counters are a call apart). Returns where there is no board or no such
-        note. Waits for the device first: the failed kernels have finished."""
-        board = self._symmetric.get(self.REFUSALS)
-        if board is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        calls, notes = self._calls(), {}
-        for rank, row in enumerate(board.cpu()):
-            kind, call = row[:self.NOTE_HEADER].view(torch.int64).tolist()
-            if 0 < kind <= len(self.CALLS) and call <= calls[self.CALLS[kind - 1]]:
-                notes[rank] = (self.CALLS[kind - 1], call, _reason_text(row[self.NOTE_HEADER:]))
-                board[rank].zero_()
-        if not notes:
-            return
-        refused = CallRefusedError(", ".join(sorted({f"{what} call {call}" for what, call, _ in notes.values()})),
-                                   {rank: reason for rank, (_, _, reason) in notes.items()})
-        self._broken = f"{refused} ({self._broken})"
-        raise refused from timeout
+    def _break(self, reason: str) -> CommTimeoutError:
+        """Break this object for `reason` (every later call raises it); the CommTimeoutError to raise now."""
+        self._broken = reason
+        return CommTimeoutError(reason)
 
     def _expect(self, name: str, t, dtypes, dim=None, shape=None, contiguous: bool = True) -> None:
         """ValueError unless `t` is a tensor on this object's device with one of `dtypes` (and the

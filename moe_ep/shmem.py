@@ -16,8 +16,7 @@ collective over the CTA), ``_warp`` functions by every thread of a warp, i.e. wi
 thread-scope put would be issued once per thread: only block and warp variants are bound.
 
 Under the interpreter (CPU) the puts, the signal and fence/quiet that the EP kernels use are emulated
-(``SimulatedHeap``): a world simulated in one process allocates every rank's symmetric buffers in the
-same order, so that a symmetric address of one rank names the same place in any other's.
+on the symmetric heap of a world simulated in one process (``moe_ep.simulated.SimulatedHeap``).
 
 ``wait_until_ge`` / ``wait_all_ge`` need no NVSHMEM at all: they spin on acquire loads of
 local flags with a deadline from the global timer and report a timeout instead of hanging.
@@ -28,13 +27,13 @@ flag protocol: plain atomics through peer pointers.
 import ctypes
 import os
 import time
-import weakref
 
 import numpy as np
-import torch
 import triton
 import triton.language as tl
 from triton.language import core
+
+from .simulated import SimulatedHeap
 
 # nvshmem_constants.h / nvshmem_common_transport.h. A jit function may read a module global
 # only when it is a tl.constexpr.
@@ -136,51 +135,6 @@ _fence = _no_arg("nvshmem_fence")
 _quiet = _no_arg("nvshmem_quiet")
 _barrier_all_block = _no_arg("nvshmemx_barrier_all_block")
 _sync_all_block = _no_arg("nvshmemx_sync_all_block")
-
-
-
-class SimulatedHeap:
-    """The symmetric memory of a world simulated in one process (``EPAllToAll.simulated``): every rank
-    allocates the same buffers in the same order, as NVSHMEM's collective allocations do, so that buffer i
-    of one rank stands for buffer i of every rank. Under the interpreter, a put or a signal to a PE resolves
-    its symmetric address (an address in the calling rank's buffer i) to the same place in the PE's."""
-
-    _heaps: list = []          # weak references to every heap alive
-
-    def __init__(self, world: int):
-        self.buffers: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        SimulatedHeap._heaps = [ref for ref in SimulatedHeap._heaps if ref() is not None] + [weakref.ref(self)]
-
-    def allocator(self, rank: int):
-        """(shape, dtype) -> a zeroed CPU tensor, recorded as rank `rank`'s next symmetric buffer."""
-        def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.zeros(shape, dtype=dtype)
-            self.buffers[rank].append(t)
-            return t
-        return zeros
-
-    @classmethod
-    def translate(cls, address: int, pe: int) -> int:
-        """The address of symmetric `address` (in any simulated rank's buffer) on rank `pe`."""
-        for ref in cls._heaps:
-            heap = ref()
-            for buffers in heap.buffers if heap is not None else ():
-                for i, t in enumerate(buffers):
-                    base = t.data_ptr()
-                    if base <= address < base + t.numel() * t.element_size():
-                        return heap.buffers[pe][i].data_ptr() + address - base
-        raise ValueError(f"address {address:#x} is in no simulated rank's symmetric memory")
-
-    @classmethod
-    def copy(cls, dest: int, source: int, nbytes: int, pe: int) -> None:
-        """Copy `nbytes` from address `source` to symmetric address `dest` on rank `pe` (a put, at once)."""
-        ctypes.memmove(cls.translate(dest, pe), source, nbytes)
-
-    @classmethod
-    def put(cls, dst: torch.Tensor, src: torch.Tensor, pe: int) -> None:
-        """``runtime.put_on_stream`` in a simulated world: copy the contiguous `src` into `pe`'s copy of `dst`,
-        a view of a simulated rank's symmetric tensor."""
-        cls.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), pe)
 
 
 def _int(value) -> int:

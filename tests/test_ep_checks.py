@@ -1,9 +1,6 @@
 """EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference);
 its kernels compile for the GPU; the routing helpers count what a call moves; "auto"'s crossover is decided
 from timings."""
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +12,7 @@ from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import crossover_tokens
 from moe_ep.reference import dequantize_fp8
 from moe_ep.routing import hbm_bytes
+from sm90 import run_without_interpreter
 
 GOOD = dict(max_tokens=8, hidden=256, num_experts=8, topk=2)
 
@@ -238,27 +236,16 @@ def test_random_topk_is_a_distinct_softmax_routing():
 
 
 COMPILE_FOR_SM90 = r"""
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 from moe_ep import EPAllToAll
 from moe_ep.launcher import BoundKernel
-
-TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
-         torch.float32: "*fp32", torch.int8: "*i8"}
+from sm90 import compile_for_sm90, triton_type
 
 def compile_once(self, *values, programs=None):
     arguments = {**self.fixed, **dict(zip(self.varying, values))}
-    signature, constants = {}, {}
-    for i, param in enumerate(self.fn.params):
-        value = arguments[param.name]
-        if param.is_constexpr:
-            signature[param.name], constants[(i,)] = "constexpr", value
-        else:
-            wide = not isinstance(value, torch.Tensor) and abs(value) >= 2**31
-            signature[param.name] = TYPES[value.dtype] if isinstance(value, torch.Tensor) else "i64" if wide else "i32"
-    options = {k: v for k, v in self.options.items() if k != "launch_pdl"}
-    triton.compile(ASTSource(self.fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    constants = {p.name: arguments[p.name] for p in self.fn.params if p.is_constexpr}
+    types = {name: triton_type(value) for name, value in arguments.items() if name not in constants}
+    compile_for_sm90(self.fn, types, constants, **{k: v for k, v in self.options.items() if k != "launch_pdl"})
     print(self.fn.__name__)
 
 BoundKernel.__call__ = compile_once
@@ -281,10 +268,7 @@ def test_every_kernel_compiles_for_sm90():
     """Every EP kernel, as bound, plain and elastic, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no
     GPU needed), outside the interpreter, so that CPU-only CI sees what the GPU would compile; the send
     kernels also with the layout of large calls."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == (["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
+    compiled = run_without_interpreter(COMPILE_FOR_SM90, timeout=900).split()
+    assert compiled == (["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
         "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]) * 2 + [
         "dispatch_send_kernel", "dispatch_kernel"]

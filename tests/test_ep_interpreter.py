@@ -62,7 +62,7 @@ def test_layout_in_sorted_chunks(case, chunk_ids, monkeypatch):
 @pytest.mark.parametrize("case,puts,nodes", [(0, "all", 1), (1, "all", 1), (2, "all", 1), (4, "all", 1),
                                               (5, "all", 1), (5, "auto", 2), (5, "auto", 4)])
 def test_put_path_in_the_interpreter(case, puts, nodes):
-    """Peers reached through puts (emulated: shmem.SimulatedHeap): every peer (puts="all"), or the ranks of
+    """Peers reached through puts (emulated: simulated.SimulatedHeap): every peer (puts="all"), or the ranks of
     other nodes (a node of two ranks in a world of four: each rank reaches one peer through a pointer and
     two through puts; nodes of one rank: every peer through puts), in the same calls."""
     check_calls(*CASES[case], puts=puts, nodes=nodes)

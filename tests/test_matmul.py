@@ -5,10 +5,6 @@ float64 (fp32 and fp16 cases) or fp32 (bf16 on the GPU, where the interpreter's 
 The small-M path (``matmul_small_m``) in bf16 everywhere: in the interpreter through ``bf16_dots``, against
 fp32 sums of the same bf16 operands, within a bound derived from K and bf16's rounding (``bf16_bound``).
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +15,7 @@ from moe_ep.kernels.matmul import (FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_ROW
                                    fused_tile_config, loads_through_descriptors, matmul, matmul_small_m,
                                    small_m_config, tile_config)
 from moe_ep.tp.config import MIN_TILE
+from sm90 import run_without_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROGRAMS = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 3
@@ -176,16 +173,8 @@ def test_small_m_refuses_what_it_cannot_run():
 
 
 COMPILE_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_ep.kernels.matmul import SMALL_M_TILES, matmul_split_k_kernel, sum_splits_kernel, small_m_config
-
-def compile(fn, types, constants, **options):
-    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else types.get(p.name, "i32")
-                 for p in fn.params}
-    constants = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.name in constants}
-    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+from sm90 import compile_for_sm90
 
 for rows, _ in SMALL_M_TILES:
     config = small_m_config(rows or 256, 7168, 8192, 2, 132)
@@ -195,10 +184,10 @@ for rows, _ in SMALL_M_TILES:
                        else {})
         constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, TMA=tma, W_KMAJOR=True,
                          **({} if tma else dict(a_desc=None, w_desc=None)))
-        compile(matmul_split_k_kernel, dict(a="*bf16", w="*bf16", partials="*fp32", **descriptors), constants,
-                num_warps=config["num_warps"], num_stages=config["num_stages"])
+        compile_for_sm90(matmul_split_k_kernel, dict(a="*bf16", w="*bf16", partials="*fp32", **descriptors),
+                         constants, num_warps=config["num_warps"], num_stages=config["num_stages"])
         print(bm, bn, "tma" if tma else "pointer")
-compile(sum_splits_kernel, dict(partials="*fp32", out="*bf16"), dict(BLOCK=1024), num_warps=4)
+compile_for_sm90(sum_splits_kernel, dict(partials="*fp32", out="*bf16"), dict(BLOCK=1024), num_warps=4)
 print("sum_splits_kernel")
 """
 
@@ -206,9 +195,5 @@ print("sum_splits_kernel")
 def test_small_m_kernels_compile_for_sm90():
     """matmul_split_k_kernel with every tile of SMALL_M_TILES, both ways of loading, and sum_splits_kernel
     compile to cubins for sm_90 (Triton's PTX and ptxas; no GPU needed), outside the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = done.stdout.splitlines()
+    lines = run_without_interpreter(COMPILE_FOR_SM90, timeout=600).splitlines()
     assert len(lines) == 2 * len(SMALL_M_TILES) + 1 and lines[-1] == "sum_splits_kernel"

@@ -76,7 +76,7 @@ from .. import runtime
 from ..formats import FORMATS, FP8_GROUP, PayloadFormat, format_of
 from ..kernels import status
 from ..routing import random_topk
-from ..shmem import SimulatedHeap
+from ..simulated import simulated_ranks
 from ..timing import median_us, why_untimed
 from .collective import CollectiveProtocol
 from .low_latency import LowLatency
@@ -206,7 +206,7 @@ class EPAllToAll(runtime.CommObject):
                   num_sms: int = 1, elastic: bool = False, puts: str = "auto", nodes: int = 1,
                   payload: str | PayloadFormat | None = None) -> list[EPAllToAll]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM:
-        the symmetric buffers are plain tensors (``shmem.SimulatedHeap``) and the peer tables hold their
+        the symmetric buffers are plain tensors (``simulated.simulated_ranks``) and the peer tables hold their
         addresses. The ranks form `nodes` nodes of world / nodes consecutive ranks: a rank reaches the
         ranks of its node through pointers, the others through puts (or every other rank, with puts="all").
         Under the Triton interpreter the kernels run for real, puts emulated (one program at a time: issue
@@ -214,17 +214,15 @@ class EPAllToAll(runtime.CommObject):
         host side of a call."""
         if nodes < 1 or world % nodes:
             raise ValueError(f"nodes={nodes} does not divide world={world}")
-        heap, ranks = SimulatedHeap(world), []
-        for rank in range(world):
-            ep = cls.__new__(cls)
+
+        def build(ep, rank, symmetric_zeros):
             ep._configure(world, rank, max_tokens, hidden, num_experts, topk, dtype, fp8_dispatch, fp8_group,
                           "nvshmem", timeout_s, validate, timing, num_sms, elastic, puts, payload)
-            ep.group, ep.device, ep._heap = None, torch.device("cpu"), heap   # _heap: keeps it alive (held weakly)
             node = rank * nodes // world
             remote = put_peers(world, rank, lambda r: r * nodes // world == node, puts)
-            ep._build(EPResources(None, ep.device, heap.allocator(rank), num_sms, put_peers=remote))
-            ep._open_refusals(heap.allocator(rank), SimulatedHeap.put)
-            ranks.append(ep)
+            ep._build(EPResources(None, ep.device, symmetric_zeros, num_sms, put_peers=remote))
+
+        ranks = simulated_ranks(cls, world, build)
         for ep in ranks:
             ep.protocol.connect(lambda name, buf: [other._symmetric[name].data_ptr() for other in ranks])
         return ranks

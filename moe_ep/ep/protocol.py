@@ -260,7 +260,7 @@ class KernelProtocol(EPProtocol):
 
     def _library(self) -> dict:
         """The compile option that links NVSHMEM's device library, for kernels that put (not under the
-        interpreter, which emulates the puts: shmem.SimulatedHeap)."""
+        interpreter, which emulates the puts: simulated.SimulatedHeap)."""
         return {"extern_libs": device_library()} if self.remote and not INTERPRETING else {}
 
     def bind(self, name: str, fn, slot: int, varying=(), **arguments) -> BoundKernel:

@@ -74,7 +74,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..kernels.matmul import DEFAULT_VARIANT, fused_tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
-from ..shmem import SimulatedHeap
+from ..simulated import simulated_ranks
 from . import plain
 from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
 from .autotune import Autotuner
@@ -142,21 +142,19 @@ class AsyncTP(runtime.CommObject):
                   overlap: str = "fused", timeout_s: float = 5.0, tile_loop: str = DEFAULT_VARIANT,
                   programs: int = 3) -> list[AsyncTP]:
         """Every rank of a `world` in this process, on the CPU, without torch.distributed or NVSHMEM: the
-        symmetric buffers are plain tensors (``shmem.SimulatedHeap``), a rank's peer views the other ranks'
+        symmetric buffers are plain tensors (``simulated.simulated_ranks``), a rank's peer views the other ranks'
         tensors, and copies and flags are made by the host. Under the Triton interpreter the kernels run for
         real, one program at a time: run each phase of a call (pushes and sends, then the waiting GEMMs) on
         every rank in turn. A call through the public methods begins with its barrier, which waits for every
         rank to begin the call: in one process it times out unless the peers' barriers ran before."""
-        heap, ranks = SimulatedHeap(world), []
-        for rank in range(world):
-            tp = cls.__new__(cls)
+
+        def build(tp, rank, symmetric_zeros):
             tp._configure(TPConfig(world, rank, max_rows, max_features, dtype, "nvshmem", overlap, timeout_s,
                                    tile_loop))
-            tp.group, tp.device, tp._heap = None, torch.device("cpu"), heap   # _heap: keeps it alive (held weakly)
             tp.tuner = Autotuner(tp.config, None, tp.device)
-            tp._build(heap.allocator(rank), programs)
-            tp._open_refusals(heap.allocator(rank), SimulatedHeap.put)
-            ranks.append(tp)
+            tp._build(symmetric_zeros, programs)
+
+        ranks = simulated_ranks(cls, world, build)
         for tp in ranks:
             tp._connect(lambda name, buf: [other._symmetric[name] for other in ranks], None)
         return ranks
