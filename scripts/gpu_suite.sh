@@ -15,7 +15,7 @@
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
 # multi_bench the benchmarks at every GPU, one at a time, alone: DeepEP's, then EP (the put path and the payload
 #             formats beside the pointer path; DeepEP merged in), async TP, the MoE layer. Run multi, then
-#             multi_bench: two calls of at most 600 s each on a machine with a warm compile cache
+#             multi_bench on the same machine (together they took over ten minutes on 4 x H200)
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
@@ -194,7 +194,7 @@ for part in $parts; do
       # and NVSHMEM's wrappers, then the engines; async TP, the MoE layer and quant; the tutorials; elastic EP;
       # DeepEP's build on the CPUs beside them. The lanes ran 360 s on 4 x H200 from a one-GPU cache, the TP
       # lane longest; limits about 1.5x each step's time there (benchmarks/NOTES.md, "The gate runs of
-      # 2026-11-26, afternoon" and "evening"). The benchmarks are multi_bench, the next call on the machine.
+      # 2026-11-26, afternoon" and "evening"). The benchmarks are multi_bench, run after it.
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
       lane multi_ep 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
@@ -220,7 +220,7 @@ for part in $parts; do
       # multi has not), then ours, which merges it into its table (EP's with 50 repetitions a decode setting, 12
       # at prefill; the put path and the payload formats beside the pointer path), async TP's, the MoE layer's.
       # On 4 x H200 from a cache without their 4-GPU kernels the EP benchmark took over 50 s a setting (the put
-      # path's compiles); with one, the whole part fits a 600 s call.
+      # path's compiles); the cache multi leaves holds some of them.
       if (( gpus < 2 )); then skip multi_bench "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       deepep_build step
       deepep_bench
