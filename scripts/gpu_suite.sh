@@ -40,8 +40,8 @@
 # importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
 # and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench tests_ep tests_moe tests_tp elastic
-  tests_cpu engines tutorials sweep8 deepep bench_ep bench_moe bench_gemm bench_tp bench_full"
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench tests_ep tests_moe
+  tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep bench_moe bench_gemm bench_tp bench_full"
 out="${1:?$usage}"
 shift
 parts="${*:-quick}"

@@ -336,6 +336,12 @@ class KernelProtocol(EPProtocol):
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
+    def _send_values(self, x, topk_ids, topk_weights, call: int) -> tuple:
+        """The values of a dispatch send's per-call arguments (``low_latency.DISPATCH_ARGUMENTS``): the
+        inputs, the token count, the call and its layout programs."""
+        tokens = x.shape[0]
+        return x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks
+
     def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
         """Before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these (both tiles,
         one launch and two), once. Ranks whose calls take different kernels (their token counts or modes
@@ -347,8 +353,7 @@ class KernelProtocol(EPProtocol):
         key = ("dispatch", slot, topk_ids.dtype)
         if not self.remote and key in self._ready:          # the common case: nothing more to build
             return
-        tokens = x.shape[0]
-        values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
+        values = self._send_values(x, topk_ids, topk_weights, call)
         if self.remote:
             key = ("dispatch", slot, self._dispatch_send[slot].key(values))
         if key in self._ready or capturing(self.device):
@@ -380,11 +385,10 @@ class KernelProtocol(EPProtocol):
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
         self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
-        tokens = x.shape[0]
-        prefill = self._prefill_tiles(tokens, mode)
+        prefill = self._prefill_tiles(x.shape[0], mode)
         if self.one_launch and not prefill:
             self.reset_stamps("dispatch")
-            self._dispatch[slot](x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
+            self._dispatch[slot](*self._send_values(x, topk_ids, topk_weights, call))
             return
         self._send(slot, x, topk_ids, topk_weights, call, prefill)
         self.dispatch_recv(slot)
@@ -413,11 +417,10 @@ class KernelProtocol(EPProtocol):
         """Dispatch's send kernel with the prefill tiles or the decode tiles, its receive kernel kept for
         dispatch_recv(slot)."""
         self.reset_stamps("dispatch")
-        tokens = x.shape[0]
-        shape = self._shape(tokens)
+        shape = self._shape(x.shape[0])
         send, recv = self._prefill if prefill else (self._dispatch_send, self._dispatch_recv)
         self._receivers[slot] = recv[slot]
-        send[slot](x, topk_ids, topk_weights, tokens, call, shape.layout_blocks,
+        send[slot](*self._send_values(x, topk_ids, topk_weights, call),
                    programs=shape.prefill_send if prefill else shape.send)
 
     def dispatch_recv(self, slot: int) -> None:

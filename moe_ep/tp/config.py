@@ -8,12 +8,13 @@ import torch
 import triton
 
 from .. import runtime
-from ..kernels.matmul import FUSED_VARIANTS
+from ..kernels.matmul import FUSED_VARIANTS, SMALL_M_TILES
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_TILE = (16, 64)       # the smallest BLOCK_M, BLOCK_N matmul.fused_tile_config hands out
+# The smallest BLOCK_M, BLOCK_N matmul.fused_tile_config hands out: its small-M tiles' (tile_config's are larger).
+MIN_TILE = tuple(min(tile[name] for _, tile in SMALL_M_TILES) for name in ("BLOCK_M", "BLOCK_N"))
 
 
 @dataclass
