@@ -38,8 +38,8 @@ settings (up to 512 tokens) with device timestamps and prints, per rank, where a
 `--sweep` also times 32 to 2048 tokens per rank (graph only) and draws latency.png. `--crossover` first
 builds an object for the largest --tokens and reports where its eager dispatches of the decode tiles
 stop beating the prefill tiles (EPAllToAll.measure_crossover: the bound of mode "auto" it sets).
-`--formats` also times dispatch in each payload format (bf16, fp8, fp8 with UE8M0 scales, MXFP8) at each
---tokens, on objects of their own, with a row's bytes on the wire and the bytes leaving each GPU.
+`--formats` also times dispatch in each payload format (bf16, fp8, fp8 with UE8M0 scales, MXFP8, NVFP4) at
+each --tokens, on objects of their own, with a row's bytes on the wire and the bytes leaving each GPU.
 `--one-object` times every setting on one object's size, that of the largest --tokens, as an engine
 sizes its object for its longest batch and then runs decode calls on it (otherwise each setting has an
 object of its own size).
@@ -164,9 +164,11 @@ def host_only() -> None:
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:
-    """Mean device microseconds per call of the kernels whose names contain one of `names`."""
+    """Mean device microseconds per call of the kernels whose names contain one of `names`, each call after a
+    barrier (a rank whose profiler starts late would otherwise hold its peers' kernels waiting for it)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            barrier()
             fn()
         torch.cuda.synchronize()
     total = 0.0
@@ -364,7 +366,8 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
 def payload_formats(tokens: int, iters: int, copy_GBps: float | None, progress: Progress) -> list[dict]:
     """Dispatch of `tokens` tokens per rank in each payload format of FORMAT_NAMES, on an object of its own:
     graph and eager medians, a row's bytes on the wire, the bytes leaving this GPU (link_bytes: the busier
-    direction), their link floor and the time over fp8's (the format of every other column)."""
+    direction), their link floor and the time over fp8's (the format of every other column). nvfp4 dispatches
+    under one per-tensor scale for every rank, the largest rank's tensor_scale_of its tokens."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
@@ -376,7 +379,11 @@ def payload_formats(tokens: int, iters: int, copy_GBps: float | None, progress: 
         progress.step(f"{name}, {tokens} tokens")
         fmt = FORMATS[name]
         ep = EPAllToAll(tokens, HIDDEN, EXPERTS, TOPK, payload=name)
-        dispatch = lambda: ep.dispatch(x, ids, weights)           # noqa: E731
+        scale = None
+        if fmt.tensor_scale:
+            scale = fmt.tensor_scale_of(x).reshape(1)
+            dist.all_reduce(scale, op=dist.ReduceOp.MAX)
+        dispatch = lambda: ep.dispatch(x, ids, weights, tensor_scale=scale)       # noqa: E731
         link = link_bytes(every_rank, rank, EXPERTS // world, HIDDEN, row_bytes=fmt.row_bytes(HIDDEN))[0]
         row = {"tokens": tokens, "format": name, "row_bytes": fmt.row_bytes(HIDDEN), "link_MB": link / 1e6,
                "dispatch_graph_us": graph_median(dispatch, iters // 4),
@@ -445,7 +452,7 @@ COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "di
            "dispatch_link_MB", "dispatch_link_GBps", "combine_link_MB", "combine_link_GBps"]
 PUT_COLUMNS = ["tokens"] + [f"{name}{op}_{how}{unit}" for op in ("dispatch", "combine") for how in ("graph", "eager")
                             for name, unit in (("", "_us"), ("put_", "_us"), ("puts_over_pointers_", ""))]
-FORMAT_NAMES = ("bf16", "fp8", "fp8_ue8m0", "mxfp8")      # the payload formats dispatch takes (moe_ep.formats)
+FORMAT_NAMES = ("bf16", "fp8", "fp8_ue8m0", "mxfp8", "nvfp4")    # the payload formats dispatch takes (moe_ep.formats)
 FORMAT_COLUMNS = ["tokens", "format", "row_bytes", "link_MB", "link_floor_us", "copy_floor_us", "dispatch_graph_us",
                   "graph_over_fp8", "dispatch_eager_us", "eager_over_fp8"]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
@@ -531,8 +538,8 @@ def main():
                           breakdown="time each phase of the decode settings with device timestamps",
                           crossover="measure the eager crossover of the decode and prefill tiles on an object for "
                                     "the largest --tokens (EPAllToAll.measure_crossover)",
-                          formats="also time dispatch in each payload format (bf16, fp8, fp8_ue8m0, mxfp8) at "
-                                  "each --tokens, with the bytes that leave each GPU",
+                          formats="also time dispatch in each payload format (bf16, fp8, fp8_ue8m0, mxfp8, nvfp4) "
+                                  "at each --tokens, with the bytes that leave each GPU",
                           puts="also time the put path (every peer through NVSHMEM puts: puts='all') beside the "
                                "pointer path (on 2+ ranks)",
                           **{"one-object": "time every setting on objects sized for the largest --tokens"})

@@ -43,8 +43,11 @@ computes the two quotients with approximate reciprocals; here they are correctly
 and torch agree bit for bit (TensorRT-LLM's bytes can differ in the last ulp of a block's factor). A dispatch
 needs t before its first token: ``tensor_scale_of(x)`` measures it on a tensor (the amax of its finite
 values, floored at 1e-4); a calibrated one (a checkpoint's input scale) is passed as is and must be positive:
-where x exceeds 448 * 6 * t, block scales saturate at 448 and elements at 6. Hopper has no FP4 MMA: a
-receiver there dequantizes to bfloat16 rows (``dequantize(...).bfloat16()``).
+where x exceeds 448 * 6 * t, block scales saturate at 448 and elements at 6. ``EPAllToAll.dispatch`` takes a
+calibrated t per call (``tensor_scale=``, float32 [1] on the device, read there, no sync), the same on every
+rank: a receiver decodes every source's rows with it. Rows travel as H / 2 bytes of e2m1 pairs and H / 16
+e4m3 bytes. Hopper has no FP4 MMA: a receiver there dequantizes to bfloat16 rows
+(``dequantize(...).bfloat16()``).
 
 NaN and inf. "fp8" keeps today's rule (``reference.quantize_fp8``: an inf makes its group's scale inf, a NaN
 its group NaN; the kernel's maximum skips a NaN). In the other scaled formats a group holding a NaN or an
@@ -92,7 +95,8 @@ class PayloadFormat:
     scale_dtype: torch.dtype | None = None   # of the scales tensor: float32, int32, float8_e8m0fnu, float8_e4m3fn
     group: int = 0                        # columns per scale (0: no scales)
     scale_pack: int = 1                   # scales per scales item: 4 UE8M0 bytes in an int32, group 4j + i in byte i
-    tensor_scale: bool = False            # one float32 per tensor multiplies every group's scale (nvfp4)
+    tensor_scale: bool = False            # one float32 per tensor multiplies every group's scale (nvfp4;
+                                          # dispatch takes it per call: EPAllToAll.dispatch's tensor_scale)
 
     @property
     def element_bits(self) -> int:

@@ -12,7 +12,8 @@ E_loc = E / W experts per rank (rank r owns experts [r * E_loc, (r + 1) * E_loc)
 
 dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K]):
     * FP8: each token is quantized per `group` columns with ``quantize_fp8``; with a payload format
-      (``moe_ep.formats``), by its ``quantize``, scales of its dtype (float32, packed UE8M0 int32, e8m0).
+      (``moe_ep.formats``), by its ``quantize``, scales of its dtype (float32, packed UE8M0 int32, e8m0,
+      e4m3), nvfp4's under the per-tensor scale the caller passes, its rows H / 2 bytes of e2m1 pairs.
     * each token is sent once to every rank owning at least one of its experts
       (ids of -1 are dropped slots and go nowhere);
     * the receiver lays the rows out expert-major: recv_x [E_loc, W * T_max, H], rows of
@@ -72,11 +73,13 @@ def _rows_to_bytes(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes_to_rows(rows: torch.Tensor, specs):
-    """Inverse of _rows_to_bytes: specs = [(dtype, per-row shape), ...]."""
+    """Inverse of _rows_to_bytes: specs = [(dtype, per-row shape), ...]. Each field is copied out (a field of a
+    single row is contiguous already, and may start at any byte: nvfp4's rows are H / 2 + H / 16 bytes)."""
     out, start = [], 0
     for dtype, shape in specs:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        out.append(rows[:, start:start + nbytes].contiguous().view(dtype).reshape(rows.shape[0], *shape))
+        field = rows[:, start:start + nbytes].clone(memory_format=torch.contiguous_format)
+        out.append(field.view(dtype).reshape(rows.shape[0], *shape))
         start += nbytes
     return out
 
@@ -107,15 +110,16 @@ class ReferenceHandle:
 
 
 def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp8_group: int | None = None,
-             group=None, payload=None):
+             group=None, payload=None, tensor_scale=None):
     """Returns (recv_x, recv_scales or None, recv_count [E_loc] int32, ReferenceHandle).
 
     payload: a ``moe_ep.formats.PayloadFormat`` (taken as given, not imported: its ``quantize`` is the
     definition), in place of fp8_group; recv_x and recv_scales then have its payload_dtype and scale_dtype
-    (recv_scales None without scales)."""
+    (recv_scales None without scales), recv_x [E_loc, W * T_max, H / element_pack]. tensor_scale: the
+    per-tensor scale of a format with one (nvfp4), float32 [1] or [], the same on every rank."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts_per_rank = num_experts // world
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     topk = topk_ids.shape[1]
     device = x.device
     ids = topk_ids.long()
@@ -124,7 +128,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     if fmt is not None and fp8_group:
         raise ValueError(f"pass fp8_group={fp8_group} or payload={fmt.name!r}, not both")
     if fmt is not None and fmt.group:
-        payload, scales = fmt.quantize(x)
+        payload, scales = fmt.quantize(x, tensor_scale)
     elif fp8_group:
         payload, scales = quantize_fp8(x, fp8_group)
     else:
@@ -146,8 +150,9 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     token_index = torch.arange(tokens, device=device, dtype=torch.int32)
     rows = _rows_to_bytes(payload, scales, ids.int(), topk_weights.float(), token_index)[send_token]
     received = _exchange_rows(rows, send_counts, recv_counts, group)
+    width = payload.shape[1]                                 # hidden / 2 for packed e2m1
     r_payload, r_scales, r_ids, r_weights, r_token = _bytes_to_rows(received, [
-        (payload.dtype, (hidden,)), (torch.uint8, scale_shape), (torch.int32, (topk,)),
+        (payload.dtype, (width,)), (torch.uint8, scale_shape), (torch.int32, (topk,)),
         (torch.float32, (topk,)), (torch.int32, ())])
     r_src = torch.repeat_interleave(torch.arange(world, device=device), torch.tensor(recv_counts, device=device))
 
@@ -163,7 +168,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     entry_pos = torch.arange(entry_expert.numel(), device=device) - first[entry_expert]
 
     rows_per_expert = world * max_tokens
-    recv_x = torch.empty((experts_per_rank, rows_per_expert, hidden), dtype=payload.dtype, device=device)
+    recv_x = torch.empty((experts_per_rank, rows_per_expert, width), dtype=payload.dtype, device=device)
     recv_x[entry_expert, entry_pos] = r_payload[entry_row]
     recv_scales = None
     if scale_dtype is not None:

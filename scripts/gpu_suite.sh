@@ -13,9 +13,10 @@
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
-# multi_bench the benchmarks at every GPU, one at a time, alone: DeepEP's, then EP (the put path and the payload
-#             formats beside the pointer path; DeepEP merged in), async TP, the MoE layer. Run multi, then
-#             multi_bench on the same machine (together they took over ten minutes on 4 x H200)
+# multi_bench the benchmarks at every GPU, one at a time, alone: multi_bench_ep (DeepEP's, then EP: the put path
+#             and the payload formats beside the pointer path, DeepEP merged in), then multi_bench_layers (async
+#             TP, the MoE layer). Run multi, then multi_bench on the same machine (together they took over ten
+#             minutes on 4 x H200; each of the three parts fits a call of ten)
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
@@ -40,11 +41,13 @@
 # importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
 # and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
 set -uo pipefail
-usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench tests_ep tests_moe
-  tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep bench_moe bench_gemm bench_tp bench_full"
+usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench multi_bench_ep
+  multi_bench_layers tests_ep tests_moe tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep
+  bench_moe bench_gemm bench_tp bench_full"
 out="${1:?$usage}"
 shift
 parts="${*:-quick}"
+parts=$(for part in $parts; do [[ $part == multi_bench ]] && echo multi_bench_ep multi_bench_layers || echo "$part"; done)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if ! gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || (( gpus == 0 )); then
   echo "gpu_suite: no GPU visible here (torch.cuda.device_count() is ${gpus:-unknown}); run it on a GPU machine" >&2
@@ -215,16 +218,19 @@ for part in $parts; do
       cat "$out"/*.lane
       lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 \
         tutorial04 tutorial06 ;;
-    multi_bench)
+    multi_bench_ep)
       # The benchmarks at every GPU, one at a time on an otherwise idle machine: DeepEP's (built first where
       # multi has not), then ours, which merges it into its table (EP's with 50 repetitions a decode setting, 12
-      # at prefill; the put path and the payload formats beside the pointer path), async TP's, the MoE layer's.
-      # On 4 x H200 from a cache without their 4-GPU kernels the EP benchmark took over 50 s a setting (the put
-      # path's compiles); the cache multi leaves holds some of them.
-      if (( gpus < 2 )); then skip multi_bench "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
+      # at prefill; the put path and the payload formats beside the pointer path). On 4 x H200 from a cache
+      # without their 4-GPU kernels the EP benchmark took over 50 s a setting (the put path's compiles); the
+      # cache multi leaves holds some of them.
+      if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       deepep_build step
       deepep_bench
-      step bench_all_to_all 300 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --formats --iters 50
+      step bench_all_to_all 300 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --formats --iters 50 ;;
+    multi_bench_layers)
+      # Async TP's and the MoE layer's benchmarks at every GPU, alone.
+      if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       step bench_tp 120 bash launch.sh benchmarks/bench_tp.py --out "$out"
       step bench_moe_layer 120 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     deepep) deepep_build step

@@ -48,18 +48,31 @@ def moe_layer_inputs(rank, tokens, topk, drop, experts, hidden, intermediate, dt
     return [t.to(device, dtype) for t in (w13, w2, x)] + [ids.to(device), weights.to(device)]
 
 
+# The amax the tests calibrate nvfp4's per-tensor scale for: make_inputs' tokens reach about 16, so groups above
+# 8 saturate (block scale 448, elements 6) and the rest take the usual path.
+CALIBRATED_AMAX = 8.0
+
+
+def tensor_scale(group, device="cpu"):
+    """The per-tensor scale dispatch takes for `group` (as ``quantize`` takes it): for a format with one (nvfp4)
+    a calibrated one, float32 [1], the same on every rank (CALIBRATED_AMAX / (448 * 6)); None for the others."""
+    if isinstance(group, PayloadFormat) and group.tensor_scale:
+        return torch.tensor([CALIBRATED_AMAX / (448 * 6)], device=device)
+    return None
+
+
 def quantize(x, group):
     """x [T, H] as dispatch sends it: (payload, scales or None). group: the FP8 group (None: x as it is) or a
-    PayloadFormat (its ``quantize``)."""
+    PayloadFormat (its ``quantize``, under ``tensor_scale(group)``)."""
     if isinstance(group, PayloadFormat):
-        return group.quantize(x)
+        return group.quantize(x, tensor_scale(group, x.device))
     return quantize_fp8(x, group) if group else (x, None)
 
 
 def dequantize(payload, scales, group):
     """float32 of what ``quantize`` made (group as there)."""
     if isinstance(group, PayloadFormat):
-        return group.dequantize(payload, scales)
+        return group.dequantize(payload, scales, tensor_scale(group, payload.device))
     return payload.float() if scales is None else dequantize_fp8(payload, scales, group)
 
 

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 SM90 = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64",
-                 torch.float32: "*fp32", torch.int8: "*i8"}
+                 torch.float32: "*fp32", torch.int8: "*i8", torch.uint8: "*u8"}
 
 
 def triton_type(value) -> str:

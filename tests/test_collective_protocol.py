@@ -1,11 +1,11 @@
 """The torch.distributed protocol (backend="reference", ``moe_ep.ep.collective``) against the oracle
 (``moe_ep.reference``), bit for bit, on fresh random inputs over gloo at 1 to 4 ranks."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from cases import bits, make_inputs
+from cases import bits, make_inputs, tensor_scale
 from distributed import run
 from moe_ep import EPAllToAll, reference
 from moe_ep.ep.collective import CollectiveProtocol, RowFormat, index_dtype
@@ -40,6 +40,8 @@ CASES = [
     Case((5, 2, 6, 3), 64, 24, 6, 64, torch.float16, 0.2, unchecked_ids=True),
     Case((3, 2, 4, 1), 512, 12, 2, None, payload="fp8_ue8m0"),                  # packed UE8M0 scales
     Case((2, 5, 0, 3), 128, 24, 3, None, torch.float16, 0.2, payload="mxfp8"),  # e8m0 scales
+    Case((4, 0, 1, 6), 208, 12, 2, None, torch.float32, 0.2, payload="nvfp4"),  # e2m1 pairs, e4m3 scales
+    Case((6, 6, 6, 6), 64, 12, 3, None, one_expert=7, payload="nvfp4"),         # every token to one expert
 ]
 
 
@@ -67,10 +69,12 @@ def _compare(rank, world, cases, seed):
                         fp8_group=case.fp8_group or 128,
                         backend="reference", validate=not case.unchecked_ids, payload=case.payload)
         payload = FORMATS[case.payload] if case.payload else None
+        scale = tensor_scale(payload)
         assert isinstance(ep.protocol, CollectiveProtocol)
-        outs = [ep.dispatch(x, ids, weights) for x, ids, weights, _ in calls]
+        outs = [ep.dispatch(x, ids, weights, tensor_scale=scale) for x, ids, weights, _ in calls]
         oracles = [reference.dispatch(x, ids, weights, num_experts=case.experts, max_tokens=max_tokens,
-                                      fp8_group=case.fp8_group, payload=payload) for x, ids, weights, _ in calls]
+                                      fp8_group=case.fp8_group, payload=payload, tensor_scale=scale)
+                   for x, ids, weights, _ in calls]
         g = torch.Generator().manual_seed(seed * 31 + rank)
         for (x, *_), (recv_x, recv_scales, recv_count, handle), (r_x, r_scales, r_count, r_handle) in zip(
                 calls, outs, oracles):
@@ -84,7 +88,7 @@ def _compare(rank, world, cases, seed):
                     assert torch.equal(bits(recv_scales[e, :count]), bits(r_scales[e, :count])), (case, e)
             assert torch.equal(handle.recv_src, r_handle.recv_src), case
 
-            expert_out = (torch.randn(r_x.shape, generator=g) * 3).to(case.dtype)
+            expert_out = (torch.randn(*r_x.shape[:2], case.hidden, generator=g) * 3).to(case.dtype)
             want = reference.combine(expert_out, r_handle)
             y = ep.combine(expert_out, handle)
             assert y.dtype == x.dtype and y.shape == x.shape
@@ -108,6 +112,8 @@ def test_row_format():
                       payload=format_of(True, 32, torch.bfloat16), timeout_s=1.0, validate=True, timing=False)
     fmt = RowFormat.of(config)
     assert fmt.nbytes == 64 + 2 * 4 + 3 * 4 + 2 + 3
+    nvfp4 = RowFormat.of(replace(config, payload=FORMATS["nvfp4"]))
+    assert nvfp4.nbytes == 64 // 2 + 64 // 16 + 3 * 4 + 2 + 3           # e2m1 pairs, one e4m3 scale a group
     for rows in (0, 1, 5):
         parts = dict(payload=torch.randn(rows, 64).to(torch.float8_e4m3fn), scales=torch.rand(rows, 2),
                      weights=torch.rand(rows, 3), token=torch.arange(rows) * 50,

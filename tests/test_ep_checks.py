@@ -261,14 +261,20 @@ for elastic in (False, True):
     p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
 p = EPAllToAll.simulated(2, 512, 7168, 256, 8)[0].protocol      # a layout in sorted chunks
 p.dispatch_send(0, x, ids, weights, 1, "prefill"); p.dispatch(0, x, ids, weights, 1, "decode")
+p, scale = EPAllToAll.simulated(2, 64, 7168, 256, 8, payload="nvfp4")[0].protocol, torch.ones(1)   # e2m1 pairs
+for mode in ("decode", "prefill"):
+    p.dispatch_send(0, x, ids, weights, 1, mode, scale); p.dispatch_recv(0)
+p.dispatch(0, x, ids, weights, 1, "decode", scale)
 """
 
 
 def test_every_kernel_compiles_for_sm90():
     """Every EP kernel, as bound, plain and elastic, compiles to a cubin for sm_90 (Triton's PTX and ptxas; no
     GPU needed), outside the interpreter, so that CPU-only CI sees what the GPU would compile; the send
-    kernels also with the layout of large calls."""
+    kernels also with the layout of large calls, and the dispatch kernels with the nvfp4 payload (its e4m3
+    and e2m1 conversions, its packed rows)."""
     compiled = run_without_interpreter(COMPILE_FOR_SM90, timeout=900).split()
     assert compiled == (["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
         "combine_send_kernel", "combine_recv_kernel", "dispatch_kernel", "combine_kernel"]) * 2 + [
-        "dispatch_send_kernel", "dispatch_kernel"]
+        "dispatch_send_kernel", "dispatch_kernel"] + ["dispatch_send_kernel", "dispatch_recv_kernel"] * 2 + [
+        "dispatch_kernel"]

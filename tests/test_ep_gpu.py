@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cases import expert_fn, make_inputs
+from cases import expert_fn, make_inputs, tensor_scale
 from distributed import gpu_worlds, refused_on_rank_0, run
 from moe_ep import CommTimeoutError, EPAllToAll, reference
 from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
@@ -33,13 +33,15 @@ SWEEP = [CONFIGS[i] for i in (0, 4, 5, 9)] if os.environ.get("MOE_EP_TEST_QUICK"
 
 def check_call(ep, x, ids, weights, straggle=None, out=False, mode="auto"):
     """One dispatch (of `mode`) + toy experts + combine through `ep` and through the reference (quantizing by
-    the object's payload format); assert equal. With out=True combine writes a tensor of the caller's."""
+    the object's payload format, nvfp4's under the calibrated tensor scale of ``cases.tensor_scale``); assert
+    equal. With out=True combine writes a tensor of the caller's."""
     rank, fmt = dist.get_rank(), ep.payload
+    scale = tensor_scale(fmt, x.device)
     if straggle is not None and straggle == rank:
         torch.cuda._sleep(2_000_000)
-    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights, mode=mode)
+    recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights, mode=mode, tensor_scale=scale)
     r_x, r_scales, r_count, r_handle = reference.dispatch(x, ids, weights, num_experts=ep.num_experts,
-                                                          max_tokens=ep.max_tokens, payload=fmt)
+                                                          max_tokens=ep.max_tokens, payload=fmt, tensor_scale=scale)
     if not torch.equal(recv_count, r_count):
         ep.check()                  # a wait that timed out (its kernel skipped the call) raises, naming the peer
     assert torch.equal(recv_count, r_count), (recv_count, r_count)
@@ -125,11 +127,12 @@ def test_prefill_sized_calls(world):
 
 
 def _payload_formats(rank, world, puts="auto"):
-    """The UE8M0 payload formats (EPAllToAll(payload=...)): FP8 rows with power-of-two scales packed four to an
-    int32 (fp8_ue8m0) or one E8M0 byte per 32 columns (mxfp8), bit for bit against the reference quantizing
+    """The UE8M0 and NVFP4 payload formats (EPAllToAll(payload=...)): FP8 rows with power-of-two scales packed
+    four to an int32 (fp8_ue8m0) or one E8M0 byte per 32 columns (mxfp8), and e2m1 pairs with an e4m3 scale
+    per 16 columns under a calibrated per-tensor scale (nvfp4), bit for bit against the reference quantizing
     by the same format; token counts that differ across ranks, ranks in different modes, every token to one
     expert."""
-    for name in ("fp8_ue8m0", "mxfp8"):
+    for name in ("fp8_ue8m0", "mxfp8", "nvfp4"):
         ep = EPAllToAll(128, 7168, 64, 8, payload=name, puts=puts)
         for i in range(4):
             tokens = [(0, 1, 7, 128)[(i + r) % 4] for r in range(world)]

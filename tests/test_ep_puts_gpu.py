@@ -1,9 +1,9 @@
 """The put path on GPUs: every peer reached through NVSHMEM puts and signals (EPAllToAll(puts="all")),
 checked against the reference on NCCL exactly as the pointer path is (tests/test_ep_gpu.py): dispatch
 and combine bit for bit, across configurations, random calls back to back in mixed modes, prefill
-sizes, the UE8M0 payload formats, receive hooks, CUDA graphs and bad input. On one node NVSHMEM's puts
-go over NVLink (or, with ranks sharing a GPU, within it); across nodes the same kernels put over the
-network transport."""
+sizes, the UE8M0 and NVFP4 payload formats, receive hooks, CUDA graphs and bad input. On one node
+NVSHMEM's puts go over NVLink (or, with ranks sharing a GPU, within it); across nodes the same kernels
+put over the network transport."""
 import os
 
 import pytest

@@ -88,8 +88,7 @@ def test_elastic_all_to_alls_and_their_live_mask(monkeypatch):
 
 def test_all_to_all_takes_a_payload(monkeypatch):
     """all_to_all keys the payload format apart (this rank of simulated worlds here): fp8=True is payload "fp8",
-    neither is the activation dtype's; fp8=True with another payload, and a payload dispatch does not apply
-    (nvfp4), are refused naming it."""
+    neither is the activation dtype's; fp8=True with another payload is refused naming it."""
     monkeypatch.setattr(integrations, "_ALL_TO_ALLS", {})
     monkeypatch.setattr(integrations, "EPAllToAll", lambda max_tokens, hidden, num_experts, topk, **kwargs:
                         EPAllToAll.simulated(2, max_tokens, hidden, num_experts, topk, dtype=kwargs["dtype"],
@@ -99,13 +98,11 @@ def test_all_to_all_takes_a_payload(monkeypatch):
     fp8 = all_to_all(*shape, True)
     assert fp8.payload.name == "fp8" and all_to_all(*shape, payload="fp8") is fp8
     assert all_to_all(*shape).payload.name == "bf16"
-    for name in ("fp8_ue8m0", "mxfp8"):
+    for name in ("fp8_ue8m0", "mxfp8", "nvfp4"):
         ep = all_to_all(*shape, payload=name)
         assert ep.payload.name == name and ep is not fp8 and all_to_all(*shape, payload=name) is ep
     with pytest.raises(ValueError, match="fp8=True asks for payload 'fp8', payload asks for 'mxfp8'"):
         all_to_all(*shape, True, payload="mxfp8")
-    with pytest.raises(ValueError, match="'nvfp4' is not yet supported by dispatch"):
-        all_to_all(*shape, payload="nvfp4")
 
 
 def test_mn_major():

@@ -49,7 +49,8 @@ class RowFormat:
     def of(cls, config: EPConfig) -> RowFormat:
         c = config
         scales = (("scales", c.scale_dtype, c.groups),) if c.payload.group else ()
-        return cls((("payload", c.payload_dtype, c.hidden), *scales, ("weights", torch.float32, c.topk),
+        payload = c.payload.payload_shape(1, c.hidden)[1]
+        return cls((("payload", c.payload_dtype, payload), *scales, ("weights", torch.float32, c.topk),
                     ("token", index_dtype(c.max_tokens), 1), ("experts", index_dtype(c.experts_per_rank), c.topk)))
 
     @property
@@ -105,11 +106,12 @@ class CollectiveProtocol(EPProtocol):
             raise ValueError(f"topk_ids must lie in [-1, {self.config.num_experts}) (-1 = dropped slot), "
                              f"found values in [{low}, {high}]")
 
-    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
-        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> outputs[slot] = (recv_x [E_loc, W * T_max, H] of the
-        payload's payload_dtype, recv_scales [E_loc, W * T_max, G] of its scale_dtype or None, recv_count [E_loc]
-        int32, recv_src [E_loc, W * T_max] int32, -1 past each expert's rows), fresh tensors; what combine needs
-        kept with them."""
+    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
+        """x [T, H], topk_ids [T, K], topk_weights [T, K] (and the payload's per-tensor scale, float32 [1] or [],
+        for nvfp4) -> outputs[slot] = (recv_x [E_loc, W * T_max, H / P] of the payload's payload_dtype, P its
+        element_pack, recv_scales [E_loc, W * T_max, G] of its scale_dtype or None, recv_count [E_loc] int32,
+        recv_src [E_loc, W * T_max] int32, -1 past each expert's rows), fresh tensors; what combine needs kept
+        with them."""
         c, device = self.config, self.device
         per_rank, topk = c.experts_per_rank, c.topk
         ids = topk_ids.long()
@@ -128,7 +130,7 @@ class CollectiveProtocol(EPProtocol):
         mine = dest[send_token] == send_rank[:, None]
         local_ids = torch.where(mine, ids[send_token] - send_rank[:, None] * per_rank, -1)
         if c.payload.group:
-            payload, scales = c.payload.quantize(x)
+            payload, scales = c.payload.quantize(x, tensor_scale)
             scales = scales.view(c.scale_dtype)[send_token]
         else:
             payload, scales = x, None
@@ -147,7 +149,8 @@ class CollectiveProtocol(EPProtocol):
         recv_count = torch.zeros(per_rank, dtype=torch.int64, device=device)
         recv_count.index_add_(0, expert, torch.ones_like(expert))
         position = torch.arange(len(expert), device=device) - (torch.cumsum(recv_count, 0) - recv_count)[expert]
-        recv_x = torch.empty(c.expert_rows, dtype=c.payload_dtype, device=device)
+        recv_x = torch.empty((per_rank, *c.payload.payload_shape(c.world * c.max_tokens, c.hidden)),
+                             dtype=c.payload_dtype, device=device)
         recv_x[expert, position] = rows["payload"][row]
         recv_scales = None
         if c.payload.group:

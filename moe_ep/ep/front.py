@@ -89,14 +89,16 @@ PUTS = ("auto", "all")       # which peers the nvshmem backend reaches through p
 MAX_TOPK = 16
 MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word
 IDS_DTYPES = (torch.int32, torch.int64)
-# The payload formats dispatch applies (moe_ep.formats): elements one per payload item (not nvfp4's packed
-# e2m1, which the kernels do not quantize yet), scales none, float32 or UE8M0.
-DISPATCH_SCALES = ("none", "fp32", "ue8m0")
+# The payload formats dispatch applies (moe_ep.formats), by their scales: none, float32 or UE8M0 with one element
+# a payload item, e4m3 times a per-tensor scale with two (nvfp4's packed e2m1; the caller passes the per-tensor
+# scale: dispatch's tensor_scale).
+DISPATCH_SCALES = {"none": 1, "fp32": 1, "ue8m0": 1, "e4m3": 2}     # scale -> elements a payload item
+TENSOR_SCALE_SHAPES = ((1,), ())     # a per-tensor scale's shapes: [1] as engines hold it, or [] (tensor_scale_of)
 
 
 def dispatchable(fmt: PayloadFormat) -> bool:
-    """Whether dispatch's kernels apply `fmt` (DISPATCH_SCALES, one element a payload item)."""
-    return fmt.scale in DISPATCH_SCALES and fmt.element_pack == 1
+    """Whether dispatch's kernels apply `fmt` (DISPATCH_SCALES)."""
+    return DISPATCH_SCALES.get(fmt.scale) == fmt.element_pack
 
 
 DISPATCH_FORMATS = tuple(name for name, f in FORMATS.items() if dispatchable(f))
@@ -141,7 +143,8 @@ class EPAllToAll(runtime.CommObject):
         payload: the payload format (``moe_ep.formats``), by name or as a ``PayloadFormat``: one of
             DISPATCH_FORMATS ("bf16", "fp16", "fp32": x's own dtype; "fp8"; "fp8_ue8m0": e4m3 with a
             power-of-two scale per 128 columns, four UE8M0 bytes in an int32, DeepGEMM's packed scales;
-            "mxfp8": e4m3 with a UE8M0 scale per 32, one float8_e8m0fnu each). None: the format of
+            "mxfp8": e4m3 with a UE8M0 scale per 32, one float8_e8m0fnu each; "nvfp4": e2m1 two a byte with an
+            e4m3 scale per 16 and a per-tensor scale each dispatch takes). None: the format of
             fp8_dispatch and fp8_group (``formats.format_of``). Flags set apart from their defaults must
             agree with it.
         backend: "nvshmem" (Triton kernels over NVLink) or "reference" (torch.distributed).
@@ -263,7 +266,7 @@ class EPAllToAll(runtime.CommObject):
     def _calls(self) -> dict[str, int]:
         return {"dispatch": self._dispatches, "combine": self._combines}
 
-    def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode) -> bool:
+    def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode, tensor_scale) -> bool:
         """True if every check of _check_dispatch_args passes, in one expression: the common case at a
         third of the host time of the checks that name what is wrong."""
         try:
@@ -273,15 +276,20 @@ class EPAllToAll(runtime.CommObject):
                     and x.shape == (rows[0], c.hidden) and topk_ids.shape == rows and topk_weights.shape == rows
                     and rows[0] <= c.max_tokens and x.device == device and topk_ids.device == device
                     and topk_weights.device == device and x.is_contiguous() and topk_ids.is_contiguous()
-                    and topk_weights.is_contiguous() and self._in_flight["dispatch"] < self._slots and mode in MODES)
+                    and topk_weights.is_contiguous() and self._in_flight["dispatch"] < self._slots and mode in MODES
+                    and (tensor_scale is None if not c.payload.tensor_scale else
+                         tensor_scale.dtype == torch.float32 and tensor_scale.shape in TENSOR_SCALE_SHAPES
+                         and tensor_scale.device == device))
         except (AttributeError, IndexError, TypeError):
             return False
 
-    def _check_dispatch_args(self, x, topk_ids, topk_weights, mode) -> None:
-        if not self.protocol.checks_ids_on_host and self._dispatch_args_pass(x, topk_ids, topk_weights, mode):
+    def _check_dispatch_args(self, x, topk_ids, topk_weights, mode, tensor_scale) -> None:
+        if not self.protocol.checks_ids_on_host and self._dispatch_args_pass(x, topk_ids, topk_weights, mode,
+                                                                              tensor_scale):
             return
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._check_tensor_scale(tensor_scale)
         self._expect("x", x, (self.dtype,), dim=2)
         tokens = x.shape[0]
         if x.shape[1] != self.hidden:
@@ -294,6 +302,21 @@ class EPAllToAll(runtime.CommObject):
             self.protocol.check_ids(topk_ids)
         if self._in_flight["dispatch"] >= self._slots:
             raise ValueError("two dispatches are already in flight: call the receive hook of the earlier one first")
+
+    def _check_tensor_scale(self, tensor_scale) -> None:
+        """ValueError unless `tensor_scale` is what the payload format asks for: with a per-tensor scale
+        (nvfp4) a float32 [1] or [] on this object's device, without one None."""
+        name = self.payload.name
+        if not self.payload.tensor_scale:
+            if tensor_scale is not None:
+                raise ValueError(f"payload format {name!r} has no per-tensor scale: pass no tensor_scale")
+            return
+        if tensor_scale is None:
+            raise ValueError(f"payload format {name!r} needs tensor_scale: its per-tensor scale, float32 [1] on "
+                             f"{self.device}, the same on every rank (a calibrated input scale)")
+        self._expect("tensor_scale", tensor_scale, (torch.float32,), contiguous=False)
+        if tensor_scale.shape not in TENSOR_SCALE_SHAPES:
+            raise ValueError(f"tensor_scale has shape {tuple(tensor_scale.shape)}, expected (1,) or ()")
 
     def _combine_args_pass(self, expert_out, handle, out) -> bool:
         """True if every check of _check_combine_args passes, in one expression (as _dispatch_args_pass)."""
@@ -328,7 +351,7 @@ class EPAllToAll(runtime.CommObject):
     # ------------------------------------------------------------------------------------ dispatch
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 return_recv_hook: bool = False, mode: str = "auto"):
+                 return_recv_hook: bool = False, mode: str = "auto", tensor_scale: torch.Tensor | None = None):
         """Send each token to the ranks of its experts; receive this rank's experts' rows.
 
         Args:
@@ -337,32 +360,38 @@ class EPAllToAll(runtime.CommObject):
             topk_weights: [T, K] float32/bfloat16/float16, kept for combine.
             mode: "auto", "decode" or "prefill": which kernels run (see the module's docstring); the
                 results are the same.
+            tensor_scale: for a payload format with a per-tensor scale ("nvfp4"), and only there: float32 [1]
+                (or []) on the device, > 0 and the same on every rank: a calibrated one, as a checkpoint's input
+                scale (amax / (448 * 6), NVIDIA's decode scale; ``payload.tensor_scale_of`` measures one).
+                Read on the device, no sync: its value is not checked. Where tokens exceed 448 * 6 times it,
+                their block scales saturate at 448 and their elements at 6.
         Returns:
-            recv_x: [E_loc, W*T_max, H] of the payload's ``payload_dtype`` (float8_e4m3fn, or `dtype` without
-                scales): rows [0, recv_count[e]) of expert e are valid, in (source rank, token, k) order.
+            recv_x: [E_loc, W*T_max, H / P] of the payload's ``payload_dtype`` (float8_e4m3fn; `dtype` without
+                scales; uint8 e2m1 pairs for "nvfp4", P = its ``element_pack``, 2, else 1): rows
+                [0, recv_count[e]) of expert e are valid, in (source rank, token, k) order.
             recv_scales: [E_loc, W*T_max, G] of the payload's ``scale_dtype``, the scales of those rows as
-                ``PayloadFormat.quantize`` makes them (``payload.dequantize(recv_x, recv_scales)`` decodes):
-                G = H/128 float32 for "fp8", H/512 int32 for "fp8_ue8m0", H/32 float8_e8m0fnu for "mxfp8";
-                None without scales.
+                ``PayloadFormat.quantize`` makes them (``payload.dequantize(recv_x, recv_scales)`` decodes, with
+                ``tensor_scale`` for "nvfp4"): G = H/128 float32 for "fp8", H/512 int32 for "fp8_ue8m0", H/32
+                float8_e8m0fnu for "mxfp8", H/16 float8_e4m3fn for "nvfp4"; None without scales.
             recv_count: [E_loc] int32 on the device.
             handle: what combine needs.
             hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
         The outputs stay valid until the dispatch after next.
         """
-        self._check_call("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode,
+        self._check_call("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode, tensor_scale,
                          agreed=self.protocol.agrees_on_calls)
         slot = self._dispatches % self._slots
         self._dispatches += 1
         call, protocol = self._dispatches, self.protocol
         if return_recv_hook and not protocol.receives_at_send:
-            protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode)
+            protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode, tensor_scale)
             recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
             handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, lost=protocol.lost(slot, x.shape[0]),
                               owner=self)
             self._in_flight["dispatch"] += 1
             return recv_x, recv_scales, recv_count, handle, _ReceiveHook(
                 "dispatch", functools.partial(self._dispatch_received, slot, handle))
-        protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode)
+        protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode, tensor_scale)
         recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
         handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True, protocol.lost(slot, x.shape[0]), self)
         return (recv_x, recv_scales, recv_count, handle, _no_hook) if return_recv_hook else \
@@ -518,8 +547,11 @@ class EPAllToAll(runtime.CommObject):
         x = torch.randn(sizes[-1], self.hidden, generator=g).to(self.device, self.dtype)
         ids, weights = random_topk(sizes[-1], self.num_experts, self.topk, device=self.device, generator=g)
 
+        # nvfp4's per-tensor scale: this rank's own (what the rows decode to is never read here)
+        scale = self.payload.tensor_scale_of(x).reshape(1) if self.payload.tensor_scale else None
+
         def dispatch(tokens: int, mode: str):
-            return lambda: self.dispatch(x[:tokens], ids[:tokens], weights[:tokens], mode=mode)
+            return lambda: self.dispatch(x[:tokens], ids[:tokens], weights[:tokens], mode=mode, tensor_scale=scale)
 
         times = [[median_us(dispatch(t, mode), iters, before=runtime.barrier) for t in sizes]
                  for mode in ("decode", "prefill")]
@@ -555,8 +587,8 @@ def payload_format(payload, fp8_dispatch: bool = True, fp8_group: int = FP8_GROU
     PayloadFormat), or with None the format of the flags (``formats.format_of``). ValueError for an unknown
     name, for flags set apart from their defaults (fp8_dispatch=True, fp8_group=128) that disagree with the
     payload (fp8_dispatch=False with scales; an fp8_group other than the payload's group), for a format
-    dispatch does not apply (not in DISPATCH_FORMATS' kinds: nvfp4), and for an unscaled format that is not
-    x's dtype."""
+    dispatch does not apply (its scales and packing not a pair of DISPATCH_SCALES: a PayloadFormat made apart
+    from FORMATS), and for an unscaled format that is not x's dtype."""
     if payload is None:
         return format_of(fp8_dispatch, fp8_group, dtype)
     fmt = FORMATS.get(payload) if isinstance(payload, str) else payload
@@ -566,7 +598,7 @@ def payload_format(payload, fp8_dispatch: bool = True, fp8_group: int = FP8_GROU
         raise ValueError(f"payload={fmt.name!r} disagrees with fp8_dispatch={fp8_dispatch}, fp8_group={fp8_group}: "
                          f"pass the payload alone")
     if not dispatchable(fmt):
-        raise ValueError(f"payload format {fmt.name!r} is not yet supported by dispatch; supported: "
+        raise ValueError(f"payload format {fmt.name!r} is not supported by dispatch; supported: "
                          f"{', '.join(DISPATCH_FORMATS)}")
     if not fmt.group and fmt.payload_dtype != dtype:
         raise ValueError(f"payload format {fmt.name!r} sends x as it is, and dtype is {dtype}")

@@ -38,12 +38,30 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 # every size. EPAllToAll.measure_crossover replaces it with the crossover it measures on its own GPUs.
 ONE_LAUNCH_TOKENS = 128
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
+# The columns, not the bytes: nvfp4's decode work items hold as many columns as FP8's (groups of 16, so 128 of
+# them), half its bytes. Its quantization takes more registers a column (ptxas for sm_90, triton 3.9, H 7168:
+# send kernel 124, one launch 96; FP8's 96, 98; MXFP8's 128, 137); at FP8's bytes (4096 and 8192 columns) they
+# took 168, 255 with 144 bytes of spills, 167.
 # Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
 # items and twice the programs, up to one wave (``LowLatency.one_wave``): at 4096 tokens on one H200 that cut
 # dispatch from 296 to 200 us (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
-# What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``).
+# At most this many scale groups a work item: the largest tile of each format that matched the reference on a
+# GPU (fp8's 32 groups of 128, mxfp8's 128 of 32, nvfp4's 128 of 16). nvfp4's prefill tile of 256 groups
+# (4096 columns) came out wrong on an H200 (triton 3.6, sm_90; exact in the interpreter), so its prefill work
+# items keep the decode tiles' 2048 columns (benchmarks/NOTES.md, "NVFP4 through dispatch").
+MAX_ITEM_GROUPS = 128
+
+
+def item_columns(columns: int, group: int) -> int:
+    """Columns of a dispatch work item asked to hold `columns`, for a format of scale groups of `group`
+    columns: no more than MAX_ITEM_GROUPS groups."""
+    return min(columns, MAX_ITEM_GROUPS * group)
+
+
+# What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``), and
+# after them the tensor scale where the payload format has one (nvfp4: ``dispatch_arguments``).
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
 COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
@@ -127,6 +145,13 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffer
     return buffers
 
 
+def dispatch_arguments(config: EPConfig) -> tuple[str, ...]:
+    """The arguments a dispatch send launch takes per call: DISPATCH_ARGUMENTS, then the tensor scale (a float32
+    [1] on the device) for a payload format with one; other formats' kernels are bound to a constant one,
+    which they never read, and pay nothing per call for it."""
+    return DISPATCH_ARGUMENTS + (("tensor_scale_ptr",) if config.payload.tensor_scale else ())
+
+
 def compares(config: EPConfig) -> bool:
     """Whether a send's layout compares every id with every expert (few ids), or sorts chunks of them."""
     return config.max_tokens * config.topk <= COMPARE_IDS
@@ -208,8 +233,11 @@ class LowLatency(KernelProtocol):
         self.send_layout, self.receive_layout = layout_arguments(config)
         self._layouts = layout = max(layout_blocks(config, 0), layout_blocks(config, T))   # the most of a call
         # work items per token of this rank's (dispatch_send, combine_recv) or of the longest source's
-        self._items = items = {"dispatch_send": triton.cdiv(H, CHUNK_COLUMNS),
-                               "dispatch_send_prefill": triton.cdiv(H, PREFILL_CHUNK_COLUMNS),
+        group = config.payload.group or FP8_GROUP
+        self._columns = {"decode": item_columns(CHUNK_COLUMNS, group),
+                         "prefill": item_columns(PREFILL_CHUNK_COLUMNS, group)}
+        self._items = items = {"dispatch_send": triton.cdiv(H, self._columns["decode"]),
+                               "dispatch_send_prefill": triton.cdiv(H, self._columns["prefill"]),
                                "combine_recv": triton.cdiv(H, COMBINE_RECV_COLUMNS)}
         work = {"dispatch_send": T * items["dispatch_send"], "dispatch_recv": W * T * items["dispatch_send"],
                 "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * items["combine_recv"]}
@@ -279,7 +307,11 @@ class LowLatency(KernelProtocol):
         # into work items.
         constants = c.payload.kernel_constants
         group = c.payload.group or FP8_GROUP
-        quantize = dict(SCALE_KIND=constants["SCALE_KIND"], SCALE_PACK=constants["SCALE_PACK"], GROUP=group)
+        quantize = dict(SCALE_KIND=constants["SCALE_KIND"], SCALE_PACK=constants["SCALE_PACK"], GROUP=group,
+                        ELEMENT_PACK=c.payload.element_pack)
+        # The tensor scale: passed per call where the format has one, else bound to a constant never read.
+        arguments = dispatch_arguments(c)
+        unscaled = {} if c.payload.tensor_scale else {"tensor_scale_ptr": self.local((1,), torch.float32)}
         # The receive kernels start while their send kernel still runs (programmatic dependent launch: the
         # send kernels call _start_receiver); they read nothing it writes locally, only what peers signal.
         early = {} if INTERPRETING else {"launch_pdl": True}
@@ -287,7 +319,7 @@ class LowLatency(KernelProtocol):
         # send; dispatch's receive per slot (its staging, the staged ids and weights named apart, the outputs);
         # combine's send per dispatch slot; combine's receive.
         send = [dict(peers=dispatch_peers, freed_ptr=d.freed, layout_ptr=d.layout[s], num_experts=c.num_experts,
-                     VALIDATE=c.validate, num_warps=4) for s in range(SLOTS)]
+                     VALIDATE=c.validate, num_warps=4, **unscaled) for s in range(SLOTS)]
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
                         count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
                         recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
@@ -306,18 +338,18 @@ class LowLatency(KernelProtocol):
             """Dispatch's send and receive kernels per slot, on the grids named with `suffix`, for work
             items of `columns` columns."""
             tiles = dict(quantize, BLOCK_GROUPS=columns // group)
-            return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, DISPATCH_ARGUMENTS,
+            return ([self.bind(f"dispatch_send{suffix}", kernels.dispatch_send_kernel, s, arguments,
                                fewest=self._layouts + 1,     # the layout programs of any call, and a token one
                                **send[s], **tiles, **self.send_layout) for s in range(SLOTS)],
                     [self.bind(f"dispatch_recv{suffix}", kernels.dispatch_recv_kernel, s, ids_ptr=d.ids,
                                w_ptr=d.weights, **receive[s], **tiles, **self.receive_layout, **early)
                      for s in range(SLOTS)])
 
-        self._dispatch_send, self._dispatch_recv = split_dispatch("", CHUNK_COLUMNS)
-        self._prefill = split_dispatch("_prefill", PREFILL_CHUNK_COLUMNS)
-        self._dispatch = [self.bind("dispatch", kernels.dispatch_kernel, s, DISPATCH_ARGUMENTS, staged_ids_ptr=d.ids,
+        self._dispatch_send, self._dispatch_recv = split_dispatch("", self._columns["decode"])
+        self._prefill = split_dispatch("_prefill", self._columns["prefill"])
+        self._dispatch = [self.bind("dispatch", kernels.dispatch_kernel, s, arguments, staged_ids_ptr=d.ids,
                                     staged_w_ptr=d.weights, **{**send[s], **receive[s]}, **quantize,
-                                    BLOCK_GROUPS=CHUNK_COLUMNS // group, **self.send_layout)
+                                    BLOCK_GROUPS=self._columns["decode"] // group, **self.send_layout)
                           for s in range(SLOTS)]
         self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
                                                  **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}

@@ -6,7 +6,8 @@ A protocol owns its buffers, its launches and its status words; the front (``fro
 every argument, counts calls into buffer slots, makes handles and hooks, and a protocol trusts all that.
 What it offers, each launch on the current stream:
 
-    dispatch_send(slot, x, topk_ids, topk_weights, call, mode)   # this rank's tokens to their ranks
+    dispatch_send(slot, x, topk_ids, topk_weights, call, mode,   # this rank's tokens to their ranks
+                  tensor_scale)
     dispatch_recv(slot)                                          # fills outputs[slot]
     combine_send(slot, dispatch_slot, expert_out)                # weighted sums back to their sources
     combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)   # adds them up into out [T, H]
@@ -18,7 +19,8 @@ What it offers, each launch on the current stream:
 A protocol whose sends deliver at once (``receives_at_send``: ``collective.CollectiveProtocol``) offers
 dispatch and combine only: the front runs them whole and hands out a hook that does nothing.
 
-`mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
+`tensor_scale` is the per-tensor scale of a payload format with one (nvfp4: float32 [1] or [] on the device),
+else None. `mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
 protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to
 `one_launch_tokens` tokens, prefill above and in CUDA graphs.
 """
@@ -336,13 +338,14 @@ class KernelProtocol(EPProtocol):
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
-    def _send_values(self, x, topk_ids, topk_weights, call: int) -> tuple:
-        """The values of a dispatch send's per-call arguments (``low_latency.DISPATCH_ARGUMENTS``): the
-        inputs, the token count, the call and its layout programs."""
+    def _send_values(self, x, topk_ids, topk_weights, call: int, tensor_scale) -> tuple:
+        """The values of a dispatch send's per-call arguments (``low_latency.dispatch_arguments``): the
+        inputs, the token count, the call, its layout programs, and the tensor scale where the format has one."""
         tokens = x.shape[0]
-        return x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks
+        values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
+        return values if tensor_scale is None else (*values, tensor_scale)
 
-    def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int) -> None:
+    def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, tensor_scale) -> None:
         """Before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these (both tiles,
         one launch and two), once. Ranks whose calls take different kernels (their token counts or modes
         differ) then compile the same ones at their first call, instead of one rank compiling a kernel its
@@ -353,7 +356,7 @@ class KernelProtocol(EPProtocol):
         key = ("dispatch", slot, topk_ids.dtype)
         if not self.remote and key in self._ready:          # the common case: nothing more to build
             return
-        values = self._send_values(x, topk_ids, topk_weights, call)
+        values = self._send_values(x, topk_ids, topk_weights, call, tensor_scale)
         if self.remote:
             key = ("dispatch", slot, self._dispatch_send[slot].key(values))
         if key in self._ready or capturing(self.device):
@@ -381,16 +384,16 @@ class KernelProtocol(EPProtocol):
         self._combine_recv[slot, dispatch_slot].prepare(*receive)
         self._ready.add(key)
 
-    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
+    def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
-        self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
+        self._ready_dispatch(slot, x, topk_ids, topk_weights, call, tensor_scale)
         prefill = self._prefill_tiles(x.shape[0], mode)
         if self.one_launch and not prefill:
             self.reset_stamps("dispatch")
-            self._dispatch[slot](*self._send_values(x, topk_ids, topk_weights, call))
+            self._dispatch[slot](*self._send_values(x, topk_ids, topk_weights, call, tensor_scale))
             return
-        self._send(slot, x, topk_ids, topk_weights, call, prefill)
+        self._send(slot, x, topk_ids, topk_weights, call, prefill, tensor_scale)
         self.dispatch_recv(slot)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> torch.Tensor:
@@ -408,19 +411,19 @@ class KernelProtocol(EPProtocol):
         self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
         return out
 
-    def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str) -> None:
+    def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
-        self._ready_dispatch(slot, x, topk_ids, topk_weights, call)
-        self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode))
+        self._ready_dispatch(slot, x, topk_ids, topk_weights, call, tensor_scale)
+        self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode), tensor_scale)
 
-    def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool) -> None:
+    def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool, tensor_scale) -> None:
         """Dispatch's send kernel with the prefill tiles or the decode tiles, its receive kernel kept for
         dispatch_recv(slot)."""
         self.reset_stamps("dispatch")
         shape = self._shape(x.shape[0])
         send, recv = self._prefill if prefill else (self._dispatch_send, self._dispatch_recv)
         self._receivers[slot] = recv[slot]
-        send[slot](*self._send_values(x, topk_ids, topk_weights, call),
+        send[slot](*self._send_values(x, topk_ids, topk_weights, call, tensor_scale),
                    programs=shape.prefill_send if prefill else shape.send)
 
     def dispatch_recv(self, slot: int) -> None:

@@ -27,8 +27,8 @@ def all_to_all(max_tokens: int, hidden: int, num_experts: int, topk: int, dtype:
                group=None, backend: str = "nvshmem", device: torch.device | None = None,
                elastic: bool = False, payload: str | None = None) -> EPAllToAll:
     """The EPAllToAll of this shape on `group` dispatching `payload` (a name of ``moe_ep.formats.FORMATS`` that
-    dispatch applies: "fp8", "fp8_ue8m0", "mxfp8", or the activation dtype's; None: "fp8" when `fp8`, the
-    activation dtype's otherwise; "fp8" is FP8 in FP8_BLOCK columns), elastic when `elastic`, for tensors on
+    dispatch applies: "fp8", "fp8_ue8m0", "mxfp8", "nvfp4", or the activation dtype's; None: "fp8" when `fp8`,
+    the activation dtype's otherwise; "fp8" is FP8 in FP8_BLOCK columns), elastic when `elastic`, for tensors on
     `device` (None: EPAllToAll's default), made on first use (collective then) and shared after: an engine's
     MoE layers of one shape and payload share one. ValueError when `fp8` and `payload` disagree, or for a
     payload dispatch does not apply (EPAllToAll's, naming it)."""

@@ -12,11 +12,12 @@ dispatch_send   (on every rank, for its own tokens)
                           has few ids (one chunk), program b instead compares every id with a block
                           of experts, which takes one step.
     programs [L, grid)    "tokens" (``_dispatch_tokens``): one work item = (token, column chunk).
-                          The chunk is quantized once (``fp8_quantize_groups``, or
-                          ``quant.quantize_groups`` for UE8M0 scales: the constexprs SCALE_KIND,
-                          SCALE_PACK and GROUP, the payload format's ``kernel_constants``) and stored
-                          once to every rank that owns at least one of the token's experts; the
-                          token's expert ids go to every rank, its weights to those ranks.
+                          The chunk is quantized once (``quant.quantize_groups``: the constexprs
+                          SCALE_KIND, SCALE_PACK and GROUP, the payload format's
+                          ``kernel_constants``; ELEMENT_PACK elements a payload item, 2 for
+                          nvfp4's packed e2m1, whose rows are H / 2 bytes) and stored once to
+                          every rank that owns at least one of the token's experts; the token's
+                          expert ids go to every rank, its weights to those ranks.
     The last program to finish release-adds 1 to every receiver's arrival counter (slot, me).
 
 dispatch_recv   (on every rank)
@@ -93,7 +94,7 @@ import triton.language as tl
 
 from ..shmem import (INTERPRETING, SIGNAL_ADD, any_thread, bits_of, fence, last_to_finish, now_ns, putmem_nbi_block,
                      putmem_signal_nbi_block, quiet, signal_add_to, wait_all_ge, wait_live_ge)
-from .quant import SCALE_FP32, SCALE_UE8M0, cast_rn, fp8_quantize_groups, quantize_groups, to_fp8
+from .quant import SCALE_E4M3, SCALE_FP32, SCALE_NONE, cast_rn, quantize_groups
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
 
@@ -341,13 +342,10 @@ def _put_call_layout(peers, stage, far, num_tokens, rank, world, max_tokens, hid
     for r in range(world):
         if _bit(far, r):
             if ids > 0:
-                if SCALE_KIND == SCALE_FP32:
-                    _put_span(peers, D_SCALES, rank, r, world, stage.to(tl.int64) * max_tokens * groups,
-                              num_tokens * groups, tl.float32)
-                elif SCALE_KIND == SCALE_UE8M0:
+                if SCALE_KIND != SCALE_NONE:
                     items = groups // SCALE_PACK
                     _put_span(peers, D_SCALES, rank, r, world, stage.to(tl.int64) * max_tokens * items,
-                              num_tokens * items, _ue8m0_item(SCALE_PACK))
+                              num_tokens * items, _scale_item(SCALE_KIND, SCALE_PACK))
                 _put_span(peers, D_IDS, rank, r, world, meta, ids, tl.int32)
                 _put_span(peers, D_WEIGHTS, rank, r, world, meta, ids, tl.float32)
                 _put_span(peers, D_POSITIONS, rank, r, world, meta, ids, tl.int32)
@@ -374,9 +372,14 @@ def _dispatch_sent(finished, uses, use, ok, peers, stage, live_peers, rank, worl
 
 
 @triton.constexpr_function
-def _ue8m0_item(SCALE_PACK):
-    """The storage type of a scales item of UE8M0 scales (``PayloadFormat.scale_storage``): four exponent
-    bytes in an int32 with SCALE_PACK 4 ("fp8_ue8m0"), one byte with 1 ("mxfp8")."""
+def _scale_item(SCALE_KIND, SCALE_PACK):
+    """The storage type of a scales item (``PayloadFormat.scale_storage``): a float32 scale (SCALE_FP32), an
+    e4m3 one (SCALE_E4M3), or UE8M0 exponent bytes, four in an int32 with SCALE_PACK 4 ("fp8_ue8m0"), one
+    with 1 ("mxfp8")."""
+    if SCALE_KIND == SCALE_FP32:
+        return tl.float32
+    if SCALE_KIND == SCALE_E4M3:
+        return tl.float8e4nv
     return tl.int32 if SCALE_PACK == 4 else tl.uint8
 
 
@@ -389,12 +392,13 @@ def _scale_items(chunk, hidden, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
 
 
 @triton.jit
-def _chunk(chunk, hidden, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
-    """Chunk `chunk` of a row of `hidden` columns: its scale groups [BLOCK_GROUPS], its columns
+def _chunk(chunk, width, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """Chunk `chunk` of BLOCK_GROUPS scale groups of a row of `width` items, GROUP items a group (x's
+    columns; or payload items: hidden / ELEMENT_PACK a row, GROUP / ELEMENT_PACK a group): its items
     [BLOCK_GROUPS, GROUP] and their mask."""
     g = chunk * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    return g, cols, cols < hidden
+    return cols, cols < width
 
 
 @triton.jit
@@ -554,20 +558,25 @@ def _dispatch_layout(ok, ids_ptr, peers, layout, status, block, stage, num_token
 
 
 @triton.jit
-def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num_tokens, rank, world, max_tokens,
-                     hidden, topk, experts_per_rank, live, remote, SCALE_KIND: tl.constexpr,
-                     SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
-                     PUTS: tl.constexpr):
+def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, tensor_scale_ptr, peers, item0, items_step, stage, num_tokens, rank,
+                     world, max_tokens, hidden, topk, experts_per_rank, live, remote, SCALE_KIND: tl.constexpr,
+                     SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr,
+                     BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr, PUTS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, chunk of BLOCK_GROUPS * GROUP columns):
     quantize the chunk once as the payload format says (SCALE_KIND, SCALE_PACK, GROUP: its
-    ``kernel_constants``; SCALE_NONE sends x as it is), store it (and its scales, items of their storage
-    type) to every rank that owns one of the token's experts; with the first chunk, the token's ids to every
-    rank and its weights to those ranks. Ranks outside `live` (bits) get nothing. With PUTS, the chunk
-    staged for a rank of `remote` (bits) is put to it at once (its scales, ids and weights go with the
-    call's metadata: ``_put_call_layout``)."""
+    ``kernel_constants``; SCALE_NONE sends x as it is; SCALE_E4M3 multiplies by the float32 at
+    tensor_scale_ptr, loaded once), store its payload items (ELEMENT_PACK elements each: a row is
+    hidden / ELEMENT_PACK items) and its scales (items of their storage type) to every rank that owns one of
+    the token's experts; with the first chunk, the token's ids to every rank and its weights to those ranks.
+    Ranks outside `live` (bits) get nothing. With PUTS, the chunk staged for a rank of `remote` (bits) is put
+    to it at once (its scales, ids and weights go with the call's metadata: ``_put_call_layout``)."""
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
-    num_groups = hidden // GROUP
+    width = hidden // ELEMENT_PACK                       # payload items a row
+    ITEM_GROUP: tl.constexpr = GROUP // ELEMENT_PACK     # payload items a scale group
+    tensor_scale = 1.0
+    if SCALE_KIND == SCALE_E4M3:
+        tensor_scale = tl.load(tensor_scale_ptr)
     for item in range(item0, num_tokens * chunks, items_step):
         t = item // chunks
         chunk = item % chunks
@@ -582,30 +591,26 @@ def _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, item0, items_step, stage, num
                 if (tl.max((dest == r).to(tl.int32), 0) > 0) & _bit(live, r):
                     tl.store(_peer(peers, D_WEIGHTS, r, world, tl.float32) + row * topk + kk, weights,
                              mask=kk < topk)
-        g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
+        cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
         x = tl.load(x_ptr + t.to(tl.int64) * hidden + cols, mask=mask, other=0.0)
-        if SCALE_KIND == SCALE_FP32:
-            values, scales = fp8_quantize_groups(x.to(tl.float32))
-            payload = to_fp8(values)
-        elif SCALE_KIND == SCALE_UE8M0:
-            payload, scales = quantize_groups(x.to(tl.float32), 1.0, SCALE_KIND, SCALE_PACK)
-            items, num_items = _scale_items(chunk, hidden, GROUP, BLOCK_GROUPS, SCALE_PACK)
-        else:
+        if SCALE_KIND == SCALE_NONE:
             payload = x
+        else:
+            payload, scales = quantize_groups(x.to(tl.float32), tensor_scale, SCALE_KIND, SCALE_PACK)
+            items, num_items = _scale_items(chunk, hidden, GROUP, BLOCK_GROUPS, SCALE_PACK)
+        out_cols, out_mask = _chunk(chunk, width, ITEM_GROUP, BLOCK_GROUPS)
         for r in range(world):
             if (tl.max((dest == r).to(tl.int32), 0) > 0) & _bit(live, r):
-                tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * hidden + cols, payload, mask=mask)
-                if SCALE_KIND == SCALE_FP32:
-                    tl.store(_peer(peers, D_SCALES, r, world, tl.float32) + row * num_groups + g, scales,
-                             mask=g < num_groups)
-                elif SCALE_KIND == SCALE_UE8M0:
+                tl.store(_peer(peers, D_DATA, r, world, payload.dtype) + row * width + out_cols, payload,
+                         mask=out_mask)
+                if SCALE_KIND != SCALE_NONE:
                     tl.store(_peer(peers, D_SCALES, r, world, scales.dtype) + row * num_items + items, scales,
                              mask=items < num_items)
                 if PUTS:
                     if _bit(remote, r):
-                        first = chunk * BLOCK_GROUPS * GROUP
-                        _put_span(peers, D_DATA, rank, r, world, row * hidden + first,
-                                  tl.minimum(hidden - first, BLOCK_GROUPS * GROUP), payload.dtype)
+                        first = chunk * BLOCK_GROUPS * ITEM_GROUP
+                        _put_span(peers, D_DATA, rank, r, world, row * width + first,
+                                  tl.minimum(width - first, BLOCK_GROUPS * ITEM_GROUP), payload.dtype)
 
 
 @triton.jit
@@ -647,15 +652,16 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                          item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
                          layout_chunks, reached, SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr,
-                         WORLD_PAD: tl.constexpr):
+                         GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                         K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, chunk) of the sources in `reached` (bits):
-    fan the received chunk and its scales (items of their storage type, copied unchanged) out to the rows of
-    its local experts; with the first chunk, keep what combine needs."""
+    fan the received chunk's payload items (hidden / ELEMENT_PACK a row) and its scales (items of their
+    storage type), copied unchanged, out to the rows of its local experts; with the first chunk, keep what
+    combine needs."""
     rows_per_expert = world * max_tokens
     kk = tl.arange(0, K_PAD)
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
-    num_groups = hidden // GROUP
+    width = hidden // ELEMENT_PACK                       # payload items a row
     longest = _longest(tokens_ptr + stage, reached, world, WORLD_PAD)
     for item in range(item0, world * longest * chunks, items_step):
         src, t, src_row = _source_row(item, chunks, longest, max_tokens)
@@ -666,13 +672,11 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
             expert = tl.where(local, ids - rank * experts_per_rank, 0)
             any_local = tl.max(local.to(tl.int32), 0) > 0
-            g, cols, mask = _chunk(chunk, hidden, GROUP, BLOCK_GROUPS)
+            cols, mask = _chunk(chunk, width, GROUP // ELEMENT_PACK, BLOCK_GROUPS)
             staged = stage.to(tl.int64) * max_tokens + src_row
             # the chunk's loads go out before the rows are worked out, and are in flight meanwhile
-            payload = tl.load(data_ptr + staged * hidden + cols, mask=cols < tl.where(any_local, hidden, 0))
-            if SCALE_KIND == SCALE_FP32:
-                scales = tl.load(scale_ptr + staged * num_groups + g, mask=g < tl.where(any_local, num_groups, 0))
-            elif SCALE_KIND == SCALE_UE8M0:
+            payload = tl.load(data_ptr + staged * width + cols, mask=cols < tl.where(any_local, width, 0))
+            if SCALE_KIND != SCALE_NONE:
                 items, num_items = _scale_items(chunk, hidden, GROUP, BLOCK_GROUPS, SCALE_PACK)
                 scales = tl.load(scale_ptr + staged * num_items + items, mask=items < tl.where(any_local, num_items, 0))
             row = tl.load(pos_ptr + meta, mask=local, other=0)
@@ -694,10 +698,8 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
                     row_k = _pick(row, kk, k)
                     if row_k >= 0:
                         dst = _pick(expert, kk, k).to(tl.int64) * rows_per_expert + row_k
-                        tl.store(recv_x_ptr + dst * hidden + cols, payload, mask=mask)
-                        if SCALE_KIND == SCALE_FP32:
-                            tl.store(recv_scale_ptr + dst * num_groups + g, scales, mask=g < num_groups)
-                        elif SCALE_KIND == SCALE_UE8M0:
+                        tl.store(recv_x_ptr + dst * width + cols, payload, mask=mask)
+                        if SCALE_KIND != SCALE_NONE:
                             tl.store(recv_scale_ptr + dst * num_items + items, scales, mask=items < num_items)
 
 
@@ -779,6 +781,7 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step,
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
 def dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
+    tensor_scale_ptr,                                        # float32 [1]: the per-tensor scale of SCALE_E4M3
     peers,                                                   # int64 [DISPATCH_PEERS, world]
     freed_ptr,                                               # my credit counters [SLOTS, world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr,
@@ -787,18 +790,18 @@ def dispatch_send_kernel(
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     layout_blocks, layout_chunks,                            # layout programs; chunks of T_max * K ids
     remote, echo_addr,                                       # ranks reached by puts (bits); echo int64 [world]
-    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-    K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
     PUTS: tl.constexpr,
 ):
-    """Staging on rank r, per slot and source rank s: data [T_max, H] (e4m3, or x's dtype with SCALE_NONE),
-    scales [T_max, H / GROUP / SCALE_PACK] (f32 with SCALE_FP32; with SCALE_UE8M0 int32, four exponent bytes
-    each, for SCALE_PACK 4, one byte for 1), ids/weights/positions [T_max, K] i32/f32/i32, offsets
-    [layout_chunks, E/world] i32, counts [E/world] i32, tokens [] i32; arrived and freed counters
-    [SLOTS, world] i64."""
+    """Staging on rank r, per slot and source rank s: data [T_max, H / ELEMENT_PACK] (e4m3; x's dtype with
+    SCALE_NONE; e2m1 pairs, uint8, with SCALE_E4M3), scales [T_max, H / GROUP / SCALE_PACK] (f32 with
+    SCALE_FP32; with SCALE_UE8M0 int32, four exponent bytes each, for SCALE_PACK 4, one byte for 1; e4m3 with
+    SCALE_E4M3), ids/weights/positions [T_max, K] i32/f32/i32, offsets [layout_chunks, E/world] i32, counts
+    [E/world] i32, tokens [] i32; arrived and freed counters [SLOTS, world] i64."""
     status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
                                     world, 1, timeout_ns, TAG_DISPATCH_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     pid = tl.program_id(0)
@@ -809,9 +812,10 @@ def dispatch_send_kernel(
                          topk, experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE, CHUNK_IDS,
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     elif ok:
-        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid - layout_blocks, tl.num_programs(0) - layout_blocks,
-                         stage, num_tokens, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
-                         SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS, K_PAD, PUTS)
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, tensor_scale_ptr, peers, pid - layout_blocks,
+                         tl.num_programs(0) - layout_blocks, stage, num_tokens, rank, world, max_tokens, hidden, topk,
+                         experts_per_rank, live, remote, SCALE_KIND, SCALE_PACK, GROUP, ELEMENT_PACK, BLOCK_GROUPS,
+                         K_PAD, PUTS)
     _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
                    echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks,
                    SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
@@ -821,12 +825,13 @@ def dispatch_send_kernel(
 def dispatch_recv_kernel(
     data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr, arrived_ptr,   # my staging
     peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
-    recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H], [E_loc, R, H/G], [E_loc], [E_loc, R]
+    recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H / ELEMENT_PACK], [E_loc, R, H/G],
+                                                                #   [E_loc], [E_loc, R]
     kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks, remote, echo_addr,
-    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-    K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
     PUTS: tl.constexpr,
 ):
@@ -843,8 +848,8 @@ def dispatch_recv_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                              recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
-                             K_PAD, CHUNK_IDS, WORLD_PAD)
+                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, ELEMENT_PACK,
+                             BLOCK_GROUPS, K_PAD, CHUNK_IDS, WORLD_PAD)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, D_FREED, slot * world + rank, live_peers, rank,
             world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
@@ -896,7 +901,7 @@ def combine_recv_kernel(
 
 @triton.jit(do_not_specialize=_INTS + ["num_tokens", "num_experts", "layout_blocks", "layout_chunks"])
 def dispatch_kernel(
-    x_ptr, ids_ptr, w_ptr,                                   # [T, H], [T, K], [T, K]
+    x_ptr, ids_ptr, w_ptr, tensor_scale_ptr,                 # as in dispatch_send_kernel
     peers, freed_ptr,                                        # as in dispatch_send_kernel
     data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,   # my staging
     arrived_ptr,
@@ -908,8 +913,8 @@ def dispatch_kernel(
     layout_ptr,                                              # as in dispatch_send_kernel
     num_tokens, call, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, num_experts, timeout_ns,
     layout_blocks, layout_chunks, remote, echo_addr,
-    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-    K_PAD: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr, K_PAD: tl.constexpr,
     COMPARE: tl.constexpr, CHUNK_IDS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SCAN_CHUNKS: tl.constexpr, SCAN_EXPERTS: tl.constexpr,
     WORLD_PAD: tl.constexpr, VALIDATE: tl.constexpr, ELASTIC: tl.constexpr, TIMING: tl.constexpr,
@@ -927,9 +932,9 @@ def dispatch_kernel(
                          topk, experts_per_rank, num_experts, layout_blocks, layout_chunks, live, COMPARE, CHUNK_IDS,
                          EXPERTS_BLOCK, NUM_BINS, SCAN_CHUNKS, SCAN_EXPERTS, VALIDATE)
     if ok:
-        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, peers, pid, programs, stage, num_tokens, rank, world, max_tokens,
-                         hidden, topk, experts_per_rank, live, remote, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
-                         K_PAD, PUTS)
+        _dispatch_tokens(x_ptr, ids_ptr, w_ptr, tensor_scale_ptr, peers, pid, programs, stage, num_tokens, rank,
+                         world, max_tokens, hidden, topk, experts_per_rank, live, remote, SCALE_KIND, SCALE_PACK,
+                         GROUP, ELEMENT_PACK, BLOCK_GROUPS, K_PAD, PUTS)
     _dispatch_sent(finished_ptr + slot, uses_ptr + slot, use, ok, peers, stage, live_peers, rank, world, remote,
                    echo_addr, stamps_ptr, num_tokens, max_tokens, hidden, topk, experts_per_rank, layout_chunks,
                    SCALE_KIND, SCALE_PACK, GROUP, CHUNK_IDS, WORLD_PAD, ELASTIC, TIMING, PUTS)
@@ -945,8 +950,8 @@ def dispatch_kernel(
         _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr,
                              tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
                              kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
-                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, BLOCK_GROUPS,
-                             K_PAD, CHUNK_IDS, WORLD_PAD)
+                             experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, ELEMENT_PACK,
+                             BLOCK_GROUPS, K_PAD, CHUNK_IDS, WORLD_PAD)
     _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
             live_peers, rank, world, remote, echo_addr, recv_stamps, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
