@@ -14,7 +14,8 @@ every column below for each; 24 s on one H200 with a warm compile cache (--token
   host      CPU time from entering a call to its return, with the GPU busy; median of 200, warm-up excluded
   front     the same with the protocol's launches left out: the front's own share (checks, slot,
             handle, views); host - front is what the launches cost
-  kernels   mean device time of our kernels per call (one launch, or send and receive), from the profiler
+  kernels   mean device time of our kernels per call (one launch, or send and receive), from the profiler,
+            each call after a barrier; across GPUs it holds the wait for the peers' start too
 and, in the same process, eager:
   nccl       what a plain PyTorch user writes: quantize, pack each token once per destination rank,
              exchange counts (one host sync), one all_to_all_single of packed rows, index work to
@@ -165,7 +166,8 @@ def host_only() -> None:
 
 def kernel_time(fn, names, iters: int = 20) -> float:
     """Mean device microseconds per call of the kernels whose names contain one of `names`, each call after a
-    barrier (a rank whose profiler starts late would otherwise hold its peers' kernels waiting for it)."""
+    barrier (a rank whose profiler starts late would otherwise hold its peers' kernels waiting for it). Across
+    GPUs a kernel still waits for its peers' to start, and that wait counts: not a kernel's own time there."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             barrier()
@@ -299,7 +301,6 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
     *_, handle = ours.dispatch(x, ids, weights)
     if full:
         progress.step("profiler")
-        dist.barrier()
         out["dispatch_kernel_us"] = kernel_time(dispatch, ["dispatch_"])
         *_, handle = ours.dispatch(x, ids, weights)
         out["combine_kernel_us"] = kernel_time(combine, ["combine_"])

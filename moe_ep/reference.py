@@ -16,7 +16,7 @@ dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K]):
       e4m3), nvfp4's under the per-tensor scale the caller passes, its rows H / 2 bytes of e2m1 pairs.
     * each token is sent once to every rank owning at least one of its experts
       (ids of -1 are dropped slots and go nowhere);
-    * the receiver lays the rows out expert-major: recv_x [E_loc, W * T_max, H], rows of
+    * the receiver lays the rows out expert-major: recv_x [E_loc, W * T_max, H] (H / 2 for nvfp4), rows of
       expert e ordered by (source rank, source token, k); recv_count [E_loc];
       recv_src [E_loc, W * T_max] int32 = (src * T_max + t) * K + k for valid rows.
 combine(expert_out [E_loc, W * T_max, H], handle) -> y [T, H]:

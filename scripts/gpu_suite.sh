@@ -13,10 +13,10 @@
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
-# multi_bench the benchmarks at every GPU, one at a time, alone: multi_bench_ep (DeepEP's, then EP: the put path
-#             and the payload formats beside the pointer path, DeepEP merged in), then multi_bench_layers (async
-#             TP, the MoE layer). Run multi, then multi_bench on the same machine (together they took over ten
-#             minutes on 4 x H200; each of the three parts fits a call of ten)
+# multi_bench the benchmarks at every GPU, one at a time, alone: multi_bench_ep (DeepEP's, then EP with the put
+#             path beside the pointer path, DeepEP merged in), then multi_bench_layers (EP in each payload format
+#             at 128 and 4096 tokens, async TP, the MoE layer). Run multi, then multi_bench on the same machine
+#             (together they took over ten minutes on 4 x H200; each half is meant for a call of ten)
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
@@ -47,7 +47,11 @@ usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick mul
 out="${1:?$usage}"
 shift
 parts="${*:-quick}"
-parts=$(for part in $parts; do [[ $part == multi_bench ]] && echo multi_bench_ep multi_bench_layers || echo "$part"; done)
+parts=$(for part in $parts; do
+  [[ $part == multi_bench ]] && part="multi_bench_ep multi_bench_layers"
+  printf '%s ' "$part"
+done)
+parts=${parts% }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if ! gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || (( gpus == 0 )); then
   echo "gpu_suite: no GPU visible here (torch.cuda.device_count() is ${gpus:-unknown}); run it on a GPU machine" >&2
@@ -219,18 +223,21 @@ for part in $parts; do
       lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 \
         tutorial04 tutorial06 ;;
     multi_bench_ep)
-      # The benchmarks at every GPU, one at a time on an otherwise idle machine: DeepEP's (built first where
-      # multi has not), then ours, which merges it into its table (EP's with 50 repetitions a decode setting, 12
-      # at prefill; the put path and the payload formats beside the pointer path). On 4 x H200 from a cache
-      # without their 4-GPU kernels the EP benchmark took over 50 s a setting (the put path's compiles); the
-      # cache multi leaves holds some of them.
+      # DeepEP's benchmark at every GPU (built first where multi has not), then ours with the put path beside the
+      # pointer path (50 repetitions a decode setting, 12 at prefill), which merges DeepEP's into its table, each
+      # alone on the machine. On 2 x H200 from a cache without the put path's kernels: DeepEP's 87 s; ours 93,
+      # 59 and 119 s at 16, 128 and 512 tokens (mostly the put path's compiles), 4096 not reached in 300 s.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       deepep_build step
       deepep_bench
-      step bench_all_to_all 300 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --formats --iters 50 ;;
+      step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50 ;;
     multi_bench_layers)
-      # Async TP's and the MoE layer's benchmarks at every GPU, alone.
+      # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33 s) and the MoE
+      # layer's (115 s), each alone on the machine; the formats' run writes into OUTDIR/formats.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
+      mkdir -p "$out/formats"
+      step bench_formats 360 bash launch.sh benchmarks/bench_all_to_all.py --out "$out/formats" --tokens 128,4096 \
+        --formats --iters 50
       step bench_tp 120 bash launch.sh benchmarks/bench_tp.py --out "$out"
       step bench_moe_layer 120 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     deepep) deepep_build step

@@ -15,7 +15,6 @@ import torch
 
 from cases import bits, expected_combine, expected_dispatch, expert_fn, make_inputs, tensor_scale
 from moe_ep import CommTimeoutError, EPAllToAll, launcher
-from moe_ep.ep.low_latency import CHUNK_COLUMNS, PREFILL_CHUNK_COLUMNS
 from moe_ep.ep import low_latency, protocol
 from moe_ep.ep.protocol import MODES
 from moe_ep.formats import FORMATS, PayloadFormat
@@ -126,15 +125,17 @@ def test_work_items_hold_at_most_128_groups(name, decode, prefill):
     assert protocol._items["dispatch_send_prefill"] == -(-7168 // (prefill * FORMATS[name].group))
 
 
-@pytest.mark.parametrize("name,columns,hidden", [("mxfp8", 64, 256), ("fp8_ue8m0", 512, 2048), ("nvfp4", 32, 208)])
-def test_payload_formats_over_column_chunks_and_puts(name, columns, hidden, monkeypatch):
+@pytest.mark.parametrize("name,columns,hidden,most_groups", [("mxfp8", 64, 256, 128), ("fp8_ue8m0", 512, 2048, 128),
+                                                             ("nvfp4", 32, 208, 128), ("nvfp4", 32, 208, 2)])
+def test_payload_formats_over_column_chunks_and_puts(name, columns, hidden, most_groups, monkeypatch):
     """The scaled formats with rows cut into several work items (decode tiles of `columns` columns, prefill
-    tiles of twice that: each chunk's payload and scales items land at their own place; nvfp4's rows of 208
-    columns, 104 bytes, end in a partial chunk of either tiles) and every peer reached by puts (rows put per
-    chunk, their payload items counted in bytes; their scales put with the call's metadata, items of their
-    storage type)."""
+    tiles of twice that, or of `columns` where `most_groups` groups a work item hold them there: each chunk's
+    payload and scales items land at their own place; nvfp4's rows of 208 columns, 104 bytes, end in a partial
+    chunk of either tiles) and every peer reached by puts (rows put per chunk, their payload items counted in
+    bytes; their scales put with the call's metadata, items of their storage type)."""
     monkeypatch.setattr(low_latency, "CHUNK_COLUMNS", columns)
     monkeypatch.setattr(low_latency, "PREFILL_CHUNK_COLUMNS", 2 * columns)
+    monkeypatch.setattr(low_latency, "MAX_ITEM_GROUPS", most_groups)
     world, calls, experts, topk, drop = FORMAT_WORLDS[1]
     check_calls(world, calls, hidden, experts, topk, FORMATS[name], drop, None, puts="all")
 
@@ -302,7 +303,7 @@ def test_dispatch_modes_on_the_same_slots(hook, monkeypatch):
     with pytest.raises(ValueError, match="mode must be one of"):
         ep.dispatch(*make_inputs(0, [2], hidden, experts, topk, seed=0), mode="bulk")
     assert not launched and ep._dispatches == 0
-    decode, prefill = CHUNK_COLUMNS // group, PREFILL_CHUNK_COLUMNS // group   # scale groups a work item
+    decode, prefill = (ep.protocol._columns[tiles] // group for tiles in ("decode", "prefill"))   # groups an item
     calls = [(5, "auto", False), (0, "prefill", False), (6, "decode", False), (1, "auto", False),
              (3, "prefill", False), (4, "auto", False), (2, "decode", False), (6, "auto", False), (1, "auto", True),
              (2, "decode", True)]

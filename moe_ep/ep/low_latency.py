@@ -39,18 +39,19 @@ PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "c
 ONE_LAUNCH_TOKENS = 128
 CHUNK_COLUMNS = 2048         # columns per dispatch work item: 2048 bf16 = 4 KiB, 32 B per thread of 4 warps
 # The columns, not the bytes: nvfp4's decode work items hold as many columns as FP8's (groups of 16, so 128 of
-# them), half its bytes. Its quantization takes more registers a column (ptxas for sm_90, triton 3.9, H 7168:
-# send kernel 124, one launch 96; FP8's 96, 98; MXFP8's 128, 137); at FP8's bytes (4096 and 8192 columns) they
-# took 168, 255 with 144 bytes of spills, 167.
+# them), half its bytes. Its quantization takes more registers a column (ptxas for sm_90, triton 3.9, H 7168,
+# send kernel / one launch: 124 / 96; FP8's 96 / 98; MXFP8's 128 / 137); at FP8's bytes (4096 and 8192
+# columns; send / prefill send / one launch) they took 168 / 255 with 144 bytes of spills / 167.
 # Dispatches of more tokens (or of mode "prefill") take the send and receive kernels bound with larger work
-# items and twice the programs, up to one wave (``LowLatency.one_wave``): at 4096 tokens on one H200 that cut
-# dispatch from 296 to 200 us (benchmarks/NOTES.md).
+# items (but for formats held to MAX_ITEM_GROUPS below) and twice the programs, up to one wave
+# (``LowLatency.one_wave``): at 4096 tokens on one H200 that cut dispatch from 296 to 200 us (benchmarks/NOTES.md).
 PREFILL_CHUNK_COLUMNS = 4096
 PREFILL_PROGRAMS = 2         # times PROGRAMS_PER_SM
 # At most this many scale groups a work item: the largest tile of each format that matched the reference on a
 # GPU (fp8's 32 groups of 128, mxfp8's 128 of 32, nvfp4's 128 of 16). nvfp4's prefill tile of 256 groups
 # (4096 columns) came out wrong on an H200 (triton 3.6, sm_90; exact in the interpreter), so its prefill work
-# items keep the decode tiles' 2048 columns (benchmarks/NOTES.md, "NVFP4 through dispatch").
+# items keep the decode tiles' 2048 columns (benchmarks/NOTES.md, "NVFP4 through dispatch"), as do those of an
+# FP8 format with groups of 16 columns.
 MAX_ITEM_GROUPS = 128
 
 
@@ -88,7 +89,8 @@ class DispatchBuffers:
     R = W * T rows per local expert, C layout chunks of ids (``layout_chunks``). Row block [slot, src] of a
     symmetric buffer is written by rank src's dispatch_send through a peer pointer."""
     # symmetric (the peer table rows, kernels.DISPATCH_PEERS)
-    data: torch.Tensor         # [S, W, T, H] P.payload_dtype: each source's token rows; dispatch_recv reads them
+    data: torch.Tensor         # [S, W, T, H / P.element_pack] P.payload_dtype: each source's token rows (packed
+                               # formats' rows in payload items); dispatch_recv reads them
     scales: torch.Tensor       # [S, W, T, G] P.scale_storage (f32 without scales, unused): their scales
     ids: torch.Tensor          # [S, W, T, K] i32: each source token's expert ids (sent to every rank)
     weights: torch.Tensor      # [S, W, T, K] f32: their weights (sent to the ranks the token goes to)
@@ -101,7 +103,8 @@ class DispatchBuffers:
     # local: dispatch_send's layout scratch (kernels.all_to_all.LAYOUT_*); dispatch_recv writes the others, the
     # experts and combine_send read them
     layout: torch.Tensor       # [S, 2 + C * E] i32: blocks finished, first bad id, hits per chunk and expert
-    recv_x: torch.Tensor       # [S, E_loc, R, H] P.payload_dtype: rows per local expert, in (source, token, k) order
+    recv_x: torch.Tensor       # [S, E_loc, R, H / P.element_pack] P.payload_dtype: rows per local expert, in
+                               # (source, token, k) order
     recv_scales: torch.Tensor  # [S, E_loc, R, G] like scales: their scales, as sent
     recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
     recv_src: torch.Tensor     # [S, E_loc, R] i32: (source * T + t) * K + k of each row

@@ -99,8 +99,8 @@ class EPConfig:
 
     @functools.cached_property
     def expert_rows(self) -> tuple[int, int, int]:
-        """(E_loc, W * T_max, H): the shape of a slot's recv_x and of combine's expert_out (made once: the
-        front compares it on every combine)."""
+        """(E_loc, W * T_max, H): the shape of combine's expert_out, and of a slot's recv_x but for a packed
+        payload format's last dimension (H / element_pack) (made once: the front compares it on every combine)."""
         return self.experts_per_rank, self.world * self.max_tokens, self.hidden
 
 
