@@ -116,7 +116,15 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     payload: a ``moe_ep.formats.PayloadFormat`` (taken as given, not imported: its ``quantize`` is the
     definition), in place of fp8_group; recv_x and recv_scales then have its payload_dtype and scale_dtype
     (recv_scales None without scales), recv_x [E_loc, W * T_max, H / element_pack]. tensor_scale: the
-    per-tensor scale of a format with one (nvfp4), float32 [1] or [], the same on every rank."""
+    per-tensor scale of a format with one (nvfp4), float32 [1] or [], the same on every rank; ValueError
+    without a payload or with one that has no per-tensor scale."""
+    fmt = payload
+    if fmt is not None and fp8_group:
+        raise ValueError(f"pass fp8_group={fp8_group} or payload={fmt.name!r}, not both")
+    if tensor_scale is not None and not (fmt is not None and fmt.tensor_scale):
+        raise ValueError("tensor_scale is for a payload format with a per-tensor scale (nvfp4); "
+                         + (f"payload {fmt.name!r} has none" if fmt is not None
+                            else f"without a payload (fp8_group={fp8_group}) dispatch takes none"))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts_per_rank = num_experts // world
     tokens = x.shape[0]
@@ -124,9 +132,6 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, max_tokens: int, fp
     device = x.device
     ids = topk_ids.long()
 
-    fmt = payload
-    if fmt is not None and fp8_group:
-        raise ValueError(f"pass fp8_group={fp8_group} or payload={fmt.name!r}, not both")
     if fmt is not None and fmt.group:
         payload, scales = fmt.quantize(x, tensor_scale)
     elif fp8_group:

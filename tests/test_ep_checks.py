@@ -1,6 +1,7 @@
-"""EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference);
-its kernels compile for the GPU; the routing helpers count what a call moves; "auto"'s crossover is decided
-from timings."""
+"""EPAllToAll rejects bad configurations and inputs with ValueError before anything runs (gloo, reference),
+payload formats its kernels do not apply among them; its kernels compile for the GPU; the routing helpers
+count what a call moves; "auto"'s crossover is decided from timings."""
+import dataclasses
 import time
 
 import pytest
@@ -8,8 +9,10 @@ import torch
 
 from distributed import die, run
 from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, link_copies, random_topk
+from moe_ep.ep.front import check_config, dispatchable
 from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import crossover_tokens
+from moe_ep.formats import FORMATS
 from moe_ep.reference import dequantize_fp8
 from moe_ep.routing import hbm_bytes
 from sm90 import run_without_interpreter
@@ -94,6 +97,20 @@ def _input_errors(rank, world):
 
 def test_bad_configurations_raise():
     run(_config_errors, 2)
+
+
+def test_a_per_tensor_scale_goes_with_e4m3_scales_only():
+    """Every built-in format is one dispatch applies; one with e4m3 scales and no per-tensor scale (the kernels
+    would read a constant for it), or with another scale and a per-tensor one, is refused by name before
+    anything is built."""
+    assert [name for name, fmt in FORMATS.items() if dispatchable(fmt)] == [
+        "bf16", "fp16", "fp32", "fp8", "fp8_ue8m0", "mxfp8", "nvfp4"]
+    for fmt in (dataclasses.replace(FORMATS["nvfp4"], name="nvfp4-untensored", tensor_scale=False),
+                dataclasses.replace(FORMATS["mxfp8"], name="mxfp8-tensored", tensor_scale=True)):
+        assert not dispatchable(fmt)
+        with pytest.raises(ValueError, match=f"payload format '{fmt.name}' is not supported by dispatch; "
+                                             "supported: bf16, fp16, fp32, fp8, fp8_ue8m0, mxfp8, nvfp4"):
+            check_config(4, 256, 8, 2, 2, torch.bfloat16, True, 128, "reference", payload=fmt)
 
 
 def _ranks_that_differ(rank, world):

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from cases import expected_combine, expected_dispatch, expert_fn, make_inputs
 from distributed import run
 from moe_ep import EPAllToAll, reference
+from moe_ep.formats import FORMATS
 
 # (tokens per rank, hidden, experts, topk, fp8 group or None, drop, one_expert)
 CASES = [
@@ -57,6 +58,19 @@ def test_reference_round_trip(world, case):
 
 def test_reference_round_trips_at_8_ranks():
     run(_round_trips, 8, CASES)              # one job for every case: starting 8 processes is the slow part
+
+
+def test_dispatch_refuses_a_tensor_scale_it_would_not_use():
+    """A tensor_scale without a payload (fp8_group or none) or with a format without a per-tensor scale is
+    refused before any collective (there is no process group here)."""
+    x, ids, weights = make_inputs(0, [3], 256, 8, 2, seed=0)
+    for kwargs, why in ((dict(fp8_group=128), r"without a payload \(fp8_group=128\) dispatch takes none"),
+                        (dict(), r"without a payload \(fp8_group=None\) dispatch takes none"),
+                        (dict(payload=FORMATS["fp8"]), "payload 'fp8' has none"),
+                        (dict(payload=FORMATS["bf16"]), "payload 'bf16' has none")):
+        with pytest.raises(ValueError, match=r"tensor_scale is for a payload format with a per-tensor scale "
+                                             r"\(nvfp4\); " + why):
+            reference.dispatch(x, ids, weights, num_experts=8, max_tokens=4, tensor_scale=torch.ones(1), **kwargs)
 
 
 def _collectives(rank, world):

@@ -277,6 +277,17 @@ def _refusals(rank, world):
         mk.FusedMoEKernel(alone, UE8M0Experts(config, quant, max_num_tokens=MAX_TOKENS, num_dispatchers=world))
     with pytest.raises(ValueError, match="takes an EPAllToAll, or of_payload and the layer's moe config"):
         moe_ep_vllm.MoeEpPrepareAndFinalize(of_payload=lambda payload: alone.ep)
+    nvfp4 = moe_ep_vllm.all_to_all(MAX_TOKENS, HIDDEN, EXPERTS, 2, torch.float32, backend="reference",
+                                   payload="nvfp4")
+    not_carried = (r"payload format 'nvfp4' needs a per-tensor scale at each dispatch \(tensor_scale\), which "
+                   "moe_ep does not carry through vLLM's prepare yet")
+    with pytest.raises(ValueError, match=not_carried):
+        moe_ep_vllm.MoeEpPrepareAndFinalize(nvfp4)
+    with pytest.raises(ValueError, match=not_carried):
+        moe_ep_vllm.MoeEpPrepareAndFinalize(of_payload=lambda payload: nvfp4, payload="nvfp4", moe=config)
+    with pytest.raises(ValueError, match=not_carried):
+        prepare_finalize.ep = nvfp4
+    assert prepare_finalize.ep.payload.name == "fp32"            # kept its own
     for asked, quant in (("mxfp8", FusedMoEQuantConfig.make(quant_dtype="mxfp8")),
                          ("float8_e4m3fn", FusedMoEQuantConfig.make(quant_dtype=torch.float8_e4m3fn,
                                                                     block_shape=[128, 64]))):

@@ -90,15 +90,17 @@ MAX_TOPK = 16
 MAX_ELASTIC_WORLD = 32       # an elastic receive records the ranks it read as bits of one word
 IDS_DTYPES = (torch.int32, torch.int64)
 # The payload formats dispatch applies (moe_ep.formats), by their scales: none, float32 or UE8M0 with one element
-# a payload item, e4m3 times a per-tensor scale with two (nvfp4's packed e2m1; the caller passes the per-tensor
-# scale: dispatch's tensor_scale).
-DISPATCH_SCALES = {"none": 1, "fp32": 1, "ue8m0": 1, "e4m3": 2}     # scale -> elements a payload item
+# a payload item and no per-tensor scale, e4m3 times a per-tensor scale with two (nvfp4's packed e2m1; the caller
+# passes the per-tensor scale: dispatch's tensor_scale; the kernels of the others read a constant instead).
+DISPATCH_SCALES = {"none": (1, False), "fp32": (1, False), "ue8m0": (1, False),
+                   "e4m3": (2, True)}      # scale -> (elements a payload item, per-tensor scale)
 TENSOR_SCALE_SHAPES = ((1,), ())     # a per-tensor scale's shapes: [1] as engines hold it, or [] (tensor_scale_of)
 
 
 def dispatchable(fmt: PayloadFormat) -> bool:
-    """Whether dispatch's kernels apply `fmt` (DISPATCH_SCALES)."""
-    return DISPATCH_SCALES.get(fmt.scale) == fmt.element_pack
+    """Whether dispatch's kernels apply `fmt`: its packing and per-tensor scale those of its scales in
+    DISPATCH_SCALES."""
+    return DISPATCH_SCALES.get(fmt.scale) == (fmt.element_pack, fmt.tensor_scale)
 
 
 DISPATCH_FORMATS = tuple(name for name, f in FORMATS.items() if dispatchable(f))
@@ -587,8 +589,8 @@ def payload_format(payload, fp8_dispatch: bool = True, fp8_group: int = FP8_GROU
     PayloadFormat), or with None the format of the flags (``formats.format_of``). ValueError for an unknown
     name, for flags set apart from their defaults (fp8_dispatch=True, fp8_group=128) that disagree with the
     payload (fp8_dispatch=False with scales; an fp8_group other than the payload's group), for a format
-    dispatch does not apply (its scales and packing not a pair of DISPATCH_SCALES: a PayloadFormat made apart
-    from FORMATS), and for an unscaled format that is not x's dtype."""
+    dispatch does not apply (its scales, packing and per-tensor scale not a row of DISPATCH_SCALES: a
+    PayloadFormat made apart from FORMATS), and for an unscaled format that is not x's dtype."""
     if payload is None:
         return format_of(fp8_dispatch, fp8_group, dtype)
     fmt = FORMATS.get(payload) if isinstance(payload, str) else payload

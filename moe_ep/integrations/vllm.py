@@ -31,8 +31,10 @@ What it cannot honour raises ValueError when the engine builds it: expert placem
 rank r holding experts [r * E_loc, (r + 1) * E_loc) (EPLB, round-robin), packed UE8M0 scales over a hidden
 size that is not a multiple of 512, activation quantization other than 128-wide FP8 blocks (the error names
 the format asked for: "mxfp8", "nvfp4", ...), monolithic experts, an unquantized input dtype
-other than the layer's, and apply_router_weight_on_input with top-k > 1; finalize refuses router weights
-other than those its prepare sent (the combine applies those on the experts' ranks).
+other than the layer's, an all-to-all whose payload needs a per-tensor scale ("nvfp4", handed to
+MoeEpPrepareAndFinalize: prepare does not carry one through yet), and apply_router_weight_on_input with
+top-k > 1; finalize refuses router weights other than those its prepare sent (the combine applies those on
+the experts' ranks).
 
 Elastic mode (EPAllToAll's ``elastic=True``: a rank that stops answering is masked and the others' calls
 complete without its experts): ``make_prepare_finalize(..., elastic=True)`` builds the all-to-all so, and
@@ -66,7 +68,7 @@ from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_h
 
 from ..ep import EPAllToAll
 from ..kernels.grouped_gemm import gated_mlp
-from ..formats import FORMATS
+from ..formats import FORMATS, PayloadFormat
 from . import FP8_BLOCK, all_to_all, check_local_experts, elastic_all_to_alls, live_mask, mn_major
 
 VLLM_VERSION = "0.33.0"
@@ -153,7 +155,8 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     Over `ep`, or over of_payload(payload): the all-to-all of this layer's shape (that of `moe`) dispatching a
     payload format (make_prepare_finalize's, by name), built by post_init_setup once the experts are chosen (or
     at first use), so that a layer builds only the one it dispatches over: "fp8_ue8m0" for experts that want
-    packed UE8M0 scales. Without of_payload such experts are refused.
+    packed UE8M0 scales. Without of_payload such experts are refused. A payload with a per-tensor scale
+    ("nvfp4") is refused here: prepare passes dispatch no tensor_scale.
     """
 
     def __init__(self, ep: EPAllToAll | None = None, of_payload: Callable[[str | None], EPAllToAll] | None = None,
@@ -163,6 +166,7 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise ValueError("MoeEpPrepareAndFinalize takes an EPAllToAll, or of_payload and the layer's moe config")
         self._ep = ep
         self.of_payload = of_payload
+        _check_carried(FORMATS.get(payload) if ep is None else ep.payload)
         if ep is not None:                          # the format's name; None: the layer's dtype, unquantized
             payload = ep.payload.name if ep.payload.group else None
         self.payload = payload
@@ -180,6 +184,7 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     @ep.setter
     def ep(self, ep: EPAllToAll) -> None:
+        _check_carried(ep.payload)
         self._ep = ep
 
     @property
@@ -318,6 +323,14 @@ class MoeEpPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise ValueError(f"moe_ep needs rank {ep.rank} to hold experts [{first}, {first + ep.experts_per_rank}) "
                              f"in order; this expert map places others (EPLB or round-robin placement)")
         self._checked_maps.add(expert_map.data_ptr())
+
+
+def _check_carried(fmt: PayloadFormat | None) -> None:
+    """ValueError for a payload format whose dispatch takes a per-tensor scale per call (tensor_scale: "nvfp4"),
+    which prepare does not pass yet; None (a name FORMATS lacks) passes, for EPAllToAll to judge."""
+    if fmt is not None and fmt.tensor_scale:
+        raise ValueError(f"payload format {fmt.name!r} needs a per-tensor scale at each dispatch (tensor_scale), "
+                         "which moe_ep does not carry through vLLM's prepare yet")
 
 
 def _nothing() -> None:
