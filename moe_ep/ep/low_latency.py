@@ -235,8 +235,9 @@ class LowLatency(KernelProtocol):
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         self.send_layout, self.receive_layout = layout_arguments(config)
         self._layouts = layout = max(layout_blocks(config, 0), layout_blocks(config, T))   # the most of a call
-        # work items per token of this rank's (dispatch_send, combine_recv) or of the longest source's
-        group = config.payload.group or FP8_GROUP
+        # Columns per scale group (without scales GROUP only cuts rows into work items), per work item of each
+        # tiles, and work items per token of this rank's (dispatch_send, combine_recv) or of the longest source's
+        self._group = group = config.payload.group or FP8_GROUP
         self._columns = {"decode": item_columns(CHUNK_COLUMNS, group),
                          "prefill": item_columns(PREFILL_CHUNK_COLUMNS, group)}
         self._items = items = {"dispatch_send": triton.cdiv(H, self._columns["decode"]),
@@ -306,10 +307,8 @@ class LowLatency(KernelProtocol):
         self.live_peers = self.live_table(peer_addresses)
         dispatch_peers = self.peer_table("dispatch", kernels.DISPATCH_PEERS, peer_addresses)
         combine_peers = self.peer_table("combine", kernels.COMBINE_PEERS, peer_addresses)
-        # The payload format's constexprs (PayloadFormat.kernel_constants); without scales, GROUP only cuts rows
-        # into work items.
-        constants = c.payload.kernel_constants
-        group = c.payload.group or FP8_GROUP
+        # The payload format's constexprs (PayloadFormat.kernel_constants).
+        constants, group = c.payload.kernel_constants, self._group
         quantize = dict(SCALE_KIND=constants["SCALE_KIND"], SCALE_PACK=constants["SCALE_PACK"], GROUP=group,
                         ELEMENT_PACK=c.payload.element_pack)
         # The tensor scale: passed per call where the format has one, else bound to a constant never read.
