@@ -1,6 +1,7 @@
-"""Measuring on the GPU, for the benchmarks, the tutorials and EPAllToAll.measure_crossover: medians of
-CUDA-event times (warm-up excluded), the options and setup every benchmark shares, where it ran, its rows
-as they come (with a heartbeat while one takes long) and its table."""
+"""Measuring on the GPU, for the benchmarks, the tutorials, EPAllToAll.measure_crossover and AsyncTP's
+choice of path: medians of CUDA-event times (warm-up excluded; interleaved where callables are compared),
+the options and setup every benchmark shares, where it ran, its rows as they come (with a heartbeat while
+one takes long) and its table."""
 import argparse
 import datetime
 import os
@@ -16,6 +17,16 @@ import triton
 from . import runtime
 
 
+def call_us(fn) -> float:
+    """Microseconds of one call of fn(), timed alone with CUDA events (start, the call, end, synchronize)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
     """Median microseconds of fn(), each call timed alone with CUDA events after `warmup` calls;
     `before()`, if given, runs ahead of each timed call, outside the timing (a barrier, say)."""
@@ -25,13 +36,23 @@ def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
     for _ in range(iters):
         if before is not None:
             before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(call_us(fn))
     return statistics.median(times)
+
+
+def interleaved_median_us(fns: list, rounds: int, warmup: int = 1, time_us=call_us) -> list[float]:
+    """Median microseconds of each of `fns` (results dropped), timed interleaved so that drift (clocks, a
+    collective's first calls of a size, host jitter) falls on all of them alike instead of deciding between
+    them: `warmup` untimed calls of each, then `rounds` rounds of one call of each, every call timed alone
+    by `time_us(fn)` -> us, round r beginning at fns[r % len(fns)] so that none always goes first."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        for i in range(r, r + len(fns)):
+            times[i % len(fns)].append(time_us(fns[i % len(fns)]))
+    return [statistics.median(t) for t in times]
 
 
 def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None, **flags: str) -> argparse.Namespace:

@@ -1,4 +1,5 @@
 """Tensor-parallel linears and AsyncTP on the reference backend (gloo) against unsharded modules and torch."""
+import itertools
 import time
 
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference
-from moe_ep.tp.autotune import Autotuner
+from moe_ep.tp.autotune import MEASURE_ROUNDS, MEASURE_WARMUP, Autotuner
 from moe_ep.tp.config import TPConfig
 from moe_ep.tp.cost import candidate_paths, measured_choice, predicted_us
 
@@ -258,25 +259,41 @@ def test_candidates_of_the_measured_choice():
 
 def _measured_choice_agrees_and_is_cached(rank, world):
     # rank 0 alone finds "chunked" fastest; on their slowest rank "never" wins: every rank takes it
-    mine = {"chunked": 50.0 if rank == 0 else 200.0, "fused": 150.0, "never": 100.0 + rank}
-    path, times = measured_choice(["chunked", "fused", "never"], mine.get, None, torch.device("cpu"))
+    mine = [50.0 if rank == 0 else 200.0, 150.0, 100.0 + rank]
+    path, times = measured_choice(["chunked", "fused", "never"], mine, None, torch.device("cpu"))
     assert path == "never" and times == {"chunked": 200.0, "fused": 150.0, "never": 100.0 + world - 1}
 
     config = TPConfig(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
     tp = Autotuner(config, None, torch.device("cpu"))   # the nvshmem backend's choice logic, no buffers
-    ran = []
-    mine = {"chunked": 10.0 if rank == 0 else 30.0, "fused": 20.0, "never": 40.0}
-    tp.time_us = lambda fn: (fn(), mine[ran[-1]])[1]   # a fake clock: the candidate that just ran
+    # Each candidate's timed calls in turn, the same every shape: by its first call "chunked" wins, by the
+    # means "never" (the outlier of "fused"), by the medians "fused" (22 on rank 1, where "never" alone wins)
+    clock = {"chunked": [5.0, 30.0, 30.0, 30.0, 40.0, 40.0, 40.0],
+             "fused": [20.0 + 2 * rank, 20.0 + 2 * rank, 1000.0, *[20.0 + 2 * rank] * 4],
+             "never": [25.0 - 10 * rank] * 7}
+    assert MEASURE_ROUNDS == 7                     # one time a round
+    clock = {path: itertools.cycle(times) for path, times in clock.items()}
+    ran, timed = [], []
+
+    def fake_us(fn):                               # a fake clock: the next time of the candidate that just ran
+        fn()
+        timed.append(ran[-1])
+        return next(clock[ran[-1]])
+
+    tp.time_us = fake_us
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
-    assert ran == ["chunked", "fused", "never"]
+    paths = ["chunked", "fused", "never"]
+    calls = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
+    # warmed up first, then round r times each candidate once, beginning at the r-th
+    assert ran[:3 * MEASURE_WARMUP] == paths * MEASURE_WARMUP and len(ran) == calls
+    assert timed == ran[3 * MEASURE_WARMUP:] == [paths[(r + i) % 3] for r in range(MEASURE_ROUNDS) for i in range(3)]
     choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
-    assert choice["times_us"] == {"chunked": 30.0, "fused": 20.0, "never": 40.0} and choice["first_call_ms"] > 0
-    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 3    # cached
-    assert tp.path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 6    # a new shape
-    assert tp.path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 6           # untimed
+    assert choice["times_us"] == {"chunked": 30.0, "fused": 22.0, "never": 25.0} and choice["first_call_ms"] > 0
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == calls        # cached
+    assert tp.path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 2 * calls    # a new shape
+    assert tp.path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 2 * calls           # untimed
     assert tp.choices[("ag_gemm", 4, 128, 128)]["times_us"] == {}
     config.overlap = "chunked"
-    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 6
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 2 * calls
 
 
 def test_measured_choice_agrees_across_ranks_and_is_cached():

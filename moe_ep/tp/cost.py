@@ -1,6 +1,6 @@
 """How ``AsyncTP``'s overlap="auto" picks a path for a shape: a cost model orders the paths and rules
-out the hopeless ones (``predicted_us``, ``candidate_paths``); the choice itself is measured, the same
-on every rank (``measured_choice``).
+out the hopeless ones (``predicted_us``, ``candidate_paths``); the choice itself is measured
+(``autotune``: interleaved, a median per candidate) and made the same on every rank (``measured_choice``).
 """
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: i
     return sorted((path for path, t in times.items() if path == "never" or t <= HOPELESS * best), key=times.get)
 
 
-def measured_choice(candidates: list[str], time_us, group, device) -> tuple[str, dict[str, float]]:
-    """Time each candidate on this rank (`time_us(path)` -> microseconds), keep each one's time on
-    its slowest rank (all-reduce MAX) and return (the fastest, {path: time}): the same on every rank,
-    which calls this collectively with the same candidates in the same order."""
-    times = torch.tensor([time_us(path) for path in candidates], dtype=torch.float64, device=device)
+def measured_choice(candidates: list[str], times_us: list[float], group, device) -> tuple[str, dict[str, float]]:
+    """The fastest of `candidates` by their times on their slowest rank: (path, {path: us}), the same on
+    every rank. times_us: this rank's microseconds of each candidate, in the order of `candidates` (the
+    medians ``autotune.Autotuner`` measured); collective: every rank passes the same candidates in the same
+    order, and each candidate's times are all-reduced with MAX."""
+    times = torch.tensor(times_us, dtype=torch.float64, device=device)
     collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
