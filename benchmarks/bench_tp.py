@@ -9,7 +9,9 @@ Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores th
   AG-GEMM  a_shard [M/tp, K] @ w [K, N/tp] -> [M, N/tp]   (column-parallel, sequence-parallel input)
   GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
   GEMM-AR  a [M, K/tp] @ w [K/tp, N] -> [M, N]            (row-parallel, all rows: decode, M <= 512 only)
-For each, medians of CUDA-event times over back-to-back calls (warm-up excluded), in us:
+For each, the median of `--iters` CUDA-event times, in us: every column's call timed alone after a
+barrier (every rank begins it together), the columns interleaved, round after round one call of each
+(after WARMUP untimed calls each), so that drift over a row (clocks, NCCL's state) falls on all alike:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
   triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
               = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:
@@ -40,7 +42,8 @@ import torch.distributed as dist
 from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
-from moe_ep.timing import Progress, benchmark_args, environment, finish, markdown_table, median_us, row_line
+from moe_ep.timing import (Progress, benchmark_args, call_us, environment, finish, interleaved_median_us,
+                           markdown_table, row_line)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -49,6 +52,7 @@ from moe_ep.timing import Progress, benchmark_args, environment, finish, markdow
 # ~700 TFLOP/s), so 1-1.5 s for b and under 0.5 s for the decode rows, 14 rows 5-10 s. 30-70 s.
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
           (128, 8192, 28672), (512, 8192, 28672)]
+WARMUP = 5                  # untimed calls of each column before its row's timed rounds
 DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
 
 
@@ -77,6 +81,12 @@ def torch_fused_ops():
     ops = torch.ops.symm_mem
     return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
             lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
+
+
+def after_barrier(fn) -> float:
+    """Microseconds of one call of fn() (``call_us``), begun on every rank together: after a barrier."""
+    dist.barrier()
+    return call_us(fn)
 
 
 def measure(op, shape, tp, fused, iters, progress: Progress):
@@ -153,13 +163,18 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
                ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
         timings.append(("torch_us", lambda: fused_op(a, w)))
+    timed = []
     for key, fn in timings:
-        progress.step(key)
+        progress.step(f"{key}, warm-up")
         dist.barrier()
         try:
-            row[key] = median_us(fn, iters, 5)
+            for _ in range(WARMUP):
+                fn()
+            timed.append((key, fn))
         except Exception as e:            # a baseline this torch cannot run is reported, not fatal
             row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    progress.step(f"{iters} rounds of {len(timed)} timed calls")
+    row.update(zip((key for key, _ in timed), interleaved_median_us([fn for _, fn in timed], iters, 0, after_barrier)))
     for key in ("fused_us", "fused_tma_us", "chunked_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]

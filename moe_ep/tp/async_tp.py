@@ -25,8 +25,9 @@ Each call takes one of three paths (``overlap``):
 fixes dtype and group) times the candidate paths on its operands (interleaved, round after round; the
 median of each path's calls counts: ``autotune``), takes each path's time on its slowest rank (an
 all-reduce MAX, so that every rank picks the same path) and keeps the fastest for every later call of
-that shape. The cost model (``cost``) only orders the candidates
-and leaves out the hopeless ones (on small shapes all overlapped paths: "never" is then taken untimed).
+that shape, "never" unless an overlapped path took at most ``cost.MARGIN`` (0.97) of its time. The cost
+model (``cost``) only orders the candidates and leaves out the hopeless ones (on small shapes all
+overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
 ``backend="reference"`` runs the plain path on torch.distributed (CPU with gloo too), with the partials

@@ -1,9 +1,10 @@
 """AsyncTP's choice of path per shape under overlap="auto": the first call of each shape (op, M, K, N)
 times the candidates ``cost.candidate_paths`` leaves, on that call's operands, and every later call of
-the shape takes the fastest (``cost.measured_choice``: the same on every rank). The candidates are timed
-interleaved (``timing.interleaved_median_us``): each warmed up, then round after round one timed call of
-each, and the median of each one's calls counts, so that drift while they are timed (clocks, NCCL's
-first calls of a size, host jitter) does not decide between them."""
+the shape takes the fastest, "never" unless an overlapped path is clearly faster (``cost.measured_choice``:
+the same on every rank). The candidates are timed interleaved (``timing.interleaved_median_us``): each
+warmed up, then round after round one timed call of each, and the median of each one's calls counts, so
+that drift while they are timed (clocks, NCCL's first calls of a size, host jitter) does not decide
+between them."""
 from __future__ import annotations
 
 import functools

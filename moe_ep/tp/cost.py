@@ -20,6 +20,10 @@ OVERHEAD_US = 20.0        # barrier launch, flags and the extra launches of one 
 HOPELESS = 1.5            # a path predicted this much slower than the best prediction is not timed: wide
                           # enough for unmeasured constants, narrow enough that the launches and the
                           # barrier of an overlapped call rule it out on small shapes
+MARGIN = 0.97             # an overlapped path is taken only where it measured at most this fraction of
+                          # "never"'s time: a median of 7 calls moves by a few percent between runs, and a
+                          # win smaller than that is noise that may well be a loss (the layers must never
+                          # be slower than the plain path they replace)
 
 
 def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int = 2) -> dict[str, float]:
@@ -54,10 +58,13 @@ def candidate_paths(op: str, m: int, k: int, n: int, world: int, element_size: i
 
 
 def measured_choice(candidates: list[str], times_us: list[float], group, device) -> tuple[str, dict[str, float]]:
-    """The fastest of `candidates` by their times on their slowest rank: (path, {path: us}), the same on
-    every rank. times_us: this rank's microseconds of each candidate, in the order of `candidates` (the
-    medians ``autotune.Autotuner`` measured); collective: every rank passes the same candidates in the same
-    order, and each candidate's times are all-reduced with MAX."""
+    """The path `candidates`' times on their slowest rank choose: (path, {path: us}), the same on every
+    rank. The fastest overlapped path where it takes at most MARGIN of "never"'s time, else "never".
+    times_us: this rank's microseconds of each candidate, in the order of `candidates` ("never" among them;
+    the medians ``autotune.Autotuner`` measured); collective: every rank passes the same candidates in the
+    same order, and each candidate's times are all-reduced with MAX."""
     times = torch.tensor(times_us, dtype=torch.float64, device=device)
     collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return candidates[int(torch.argmin(times))], dict(zip(candidates, times.tolist()))
+    slowest = dict(zip(candidates, times.tolist()))
+    best = min(candidates, key=slowest.get)
+    return (best if slowest[best] <= MARGIN * slowest["never"] else "never"), slowest
