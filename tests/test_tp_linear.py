@@ -1,5 +1,6 @@
 """Tensor-parallel linears and AsyncTP on the reference backend (gloo) against unsharded modules and torch."""
 import itertools
+import re
 import time
 
 import pytest
@@ -233,6 +234,37 @@ def _refused_calls_end_on_every_rank(rank, world):
 
 def test_a_call_one_rank_refuses_fails_on_every_rank():
     run(_refused_calls_end_on_every_rank, 2)
+
+
+def test_the_fast_operand_checks_pass_only_what_every_check_passes():
+    """AsyncTP's per-call operand checks in one expression (the common case, cheap on the host) pass only
+    operands that the checks one at a time pass, with the same (M, K, N); the rest fall through to those
+    checks, which name what is wrong."""
+    tp = AsyncTP.simulated(2, max_rows=8, max_features=16)[0]        # float32, every rank in this process
+    w = torch.randn(16, 8)
+    good = [("gemm_ar", torch.randn(4, 16), w, (4, 16, 8)), ("ag_gemm", torch.randn(4, 16), w, (8, 16, 8)),
+            ("gemm_rs", torch.randn(8, 16), torch.randn(8, 16).t(), (8, 16, 8)),
+            ("gemm_rs", torch.randn(8, 4), torch.randn(4, 16), (8, 4, 16)),
+            ("gemm_ar", torch.randn(0, 16), w, (0, 16, 8))]
+    for op, a, w_, sizes in good:
+        assert tp._operands_pass(op, a, w_) == tp._check_each_operand(op, a, w_) == sizes
+        assert tp._check_operands(op, a, w_) == sizes
+    bad = [("gemm_ar", torch.randn(4, 16).double(), w, "a has dtype torch.float64"),
+           ("gemm_ar", torch.randn(4, 16), w.half(), "w has dtype torch.float16"),
+           ("gemm_ar", torch.randn(4, 16), w.to("meta"), "w is on meta"),
+           ("gemm_ar", torch.randn(1, 4, 16), w, "a must be 2-D"),
+           ("gemm_ar", torch.randn(4, 16), w[0], "w must be 2-D"),
+           ("gemm_ar", [[1.0] * 16], w, "a must be a torch.Tensor"),
+           ("gemm_ar", torch.randn(16, 4).t(), w, "a must be contiguous"),
+           ("gemm_ar", torch.randn(4, 12), w, "a's columns must equal w's rows"),
+           ("ag_gemm", torch.randn(5, 16), w, "M=10 exceeds this AsyncTP's max_rows=8"),
+           ("ag_gemm", torch.randn(4, 32), torch.randn(32, 8), "K=32 exceeds"),
+           ("gemm_rs", torch.randn(8, 16), torch.randn(16, 32), "N=32 exceeds"),
+           ("gemm_rs", torch.randn(7, 16), w, "cannot be scattered evenly")]
+    for op, a, w_, reason in bad:
+        assert tp._operands_pass(op, a, w_) is None
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            tp._check_operands(op, a, w_)
 
 
 def _everything_at(rank, world):

@@ -168,6 +168,7 @@ class AsyncTP(runtime.CommObject):
         self.buffers: TPBuffers | None = None
         self._symmetric: dict[str, torch.Tensor] = {}
         self._status: torch.Tensor | None = None
+        self._words = None                           # _status as NumPy: what every call reads
         self._broken: str | None = None
         self._made = dict.fromkeys(self.CALLS, 0)     # calls of each op accepted so far
 
@@ -179,6 +180,7 @@ class AsyncTP(runtime.CommObject):
         self._programs = programs
         self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
         self._status = torch.zeros(TP_STATUS_WORDS, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._words = self._status.numpy()           # written by the kernels, read by the host
 
     def _connect(self, peer_views, copy_stream: torch.cuda.Stream | None) -> None:
         """The launches and the copy-engine steps. `peer_views(name, buffer)` -> every rank's copy of the
@@ -207,10 +209,36 @@ class AsyncTP(runtime.CommObject):
         self._made[op] += 1
         return sizes
 
+    def _raise_if_failed(self) -> None:
+        """The base's checks, where the object is broken or its status word holds a report: read through
+        its NumPy view, 20x cheaper than indexing the tensor (pinned memory, no sync)."""
+        if self._broken or (self._words is not None and self._words[0]):
+            super()._raise_if_failed()
+
+    def _operands_pass(self, op: str, a, w) -> tuple[int, int, int] | None:
+        """(M, K, N) if every check of _check_operands passes, in one expression, else None: the common
+        case at half the host time of the checks that name what is wrong (at decode sizes a call's host
+        time before its first launch shows in its time)."""
+        try:
+            c, device = self.config, self.device
+            (m, k), (k_w, n) = a.shape, w.shape
+            m *= c.world if op == "ag_gemm" else 1
+            passes = (a.dtype == c.dtype and w.dtype == c.dtype and a.device == device and w.device == device
+                      and a.is_contiguous() and k == k_w and m <= c.max_rows
+                      and (k if op == "ag_gemm" else n) <= c.max_features and (op != "gemm_rs" or m % c.world == 0)
+                      and max(w.stride()) * max(k_w, n) < 2**31)
+            return (m, k, n) if passes else None
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def _check_operands(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
         """ValueError unless `op`'s a and w are 2-D operands of this object's dtype and device whose
         product fits its bounds; (M, K, N) of the call's [M, K] @ [K, N], M over all ranks (ag_gemm's a is
         this rank's shard of them)."""
+        return self._operands_pass(op, a, w) or self._check_each_operand(op, a, w)
+
+    def _check_each_operand(self, op: str, a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+        """_check_operands one check at a time, each with its own ValueError."""
         self._expect(f"{op}: a", a, (self.dtype,), dim=2)
         self._expect(f"{op}: w", w, (self.dtype,), dim=2, contiguous=False)
         if w.numel() and max(w.stride()) * max(w.shape) >= 2**31:
