@@ -22,12 +22,12 @@ Each call takes one of three paths (``overlap``):
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
 ``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
-fixes dtype and group) times the candidate paths on its operands (interleaved, round after round; the
-median of each path's calls counts: ``autotune``), takes each path's time on its slowest rank (an
-all-reduce MAX, so that every rank picks the same path) and keeps the fastest for every later call of
-that shape, "never" unless an overlapped path took at most ``cost.MARGIN`` (0.97) of its time. The cost
-model (``cost``) only orders the candidates and leaves out the hopeless ones (on small shapes all
-overlapped paths: "never" is then taken untimed).
+fixes dtype and group) times the candidate paths on its operands (interleaved, round after round, each
+call after a barrier; the median of each path's calls counts: ``autotune``), takes each path's time on
+its slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest for
+every later call of that shape, "never" unless an overlapped path took at most ``cost.MARGIN`` (0.97)
+of its time. The cost model (``cost``) only orders the candidates and leaves out the hopeless ones (on
+small shapes all overlapped paths: "never" is then taken untimed).
 ``choices`` holds each decision: the path, the times it was chosen by, and what the first call
 cost. That first call synchronizes the device: make it before capturing a CUDA graph.
 ``backend="reference"`` runs the plain path on torch.distributed (CPU with gloo too), with the partials

@@ -2,15 +2,16 @@
 times the candidates ``cost.candidate_paths`` leaves, on that call's operands, and every later call of
 the shape takes the fastest, "never" unless an overlapped path is clearly faster (``cost.measured_choice``:
 the same on every rank). The candidates are timed interleaved (``timing.interleaved_median_us``): each
-warmed up, then round after round one timed call of each, and the median of each one's calls counts, so
-that drift while they are timed (clocks, NCCL's first calls of a size, host jitter) does not decide
-between them."""
+warmed up, then round after round one timed call of each, begun after a barrier, and the median of each
+one's calls counts, so that neither drift while they are timed (clocks, NCCL's first calls of a size,
+host jitter) nor the skew one path leaves between the ranks decides between them."""
 from __future__ import annotations
 
 import functools
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..timing import call_us, interleaved_median_us
 from .config import TPConfig
@@ -31,7 +32,14 @@ class Autotuner:
     def __init__(self, config: TPConfig, group, device: torch.device):
         self.config, self.group, self.device = config, group, device
         self.choices: dict[tuple, dict] = {}
-        self.time_us = call_us
+        self.time_us = self._after_barrier
+
+    def _after_barrier(self, fn) -> float:
+        """Microseconds of one call of fn() (``timing.call_us``) begun on every rank together, after a
+        barrier of the group: back to back, a call's time would hold the skew between the ranks that the
+        call before it (another path) left, and the paths that wait in NCCL would pay for the others."""
+        dist.barrier(group=self.group)
+        return call_us(fn)
 
     def path(self, op: str, m: int, k: int, n: int, run) -> str:
         """"never", "fused" or "chunked" for a call of `op` on [M, K] @ [K, N]. Under overlap="auto" the
