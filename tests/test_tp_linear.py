@@ -2,6 +2,7 @@
 import itertools
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference
+from moe_ep.tp import autotune
 from moe_ep.tp.autotune import MEASURE_ROUNDS, MEASURE_WARMUP, Autotuner
 from moe_ep.tp.config import TPConfig
 from moe_ep.tp.cost import MARGIN, candidate_paths, measured_choice, predicted_us
@@ -265,6 +267,22 @@ def test_the_fast_operand_checks_pass_only_what_every_check_passes():
         assert tp._operands_pass(op, a, w_) is None
         with pytest.raises(ValueError, match=re.escape(reason)):
             tp._check_operands(op, a, w_)
+    # a w spanning 2**31 elements (strides only: no such storage here) is not the fast path's either
+    wide = SimpleNamespace(shape=torch.Size([16, 8]), dtype=torch.float32, device=torch.device("cpu"),
+                           stride=lambda: (2**28, 1))
+    assert tp._operands_pass("gemm_ar", torch.randn(4, 16), wide) is None
+
+
+def test_each_timed_call_begins_after_a_barrier_of_the_group(monkeypatch):
+    """The tuner's default clock: a barrier of the group, then the call timed alone (on the GPU only)."""
+    seen = []
+    monkeypatch.setattr(autotune.dist, "barrier", lambda group=None: seen.append(("barrier", group)))
+    monkeypatch.setattr(autotune, "call_us", lambda fn: fn() or 2.5)
+    config = TPConfig(2, 0, 16, 16, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
+    assert Autotuner(config, "group", torch.device("cuda")).time_us(lambda: seen.append("call")) == 2.5
+    assert seen == [("barrier", "group"), "call"]
+    with pytest.raises(RuntimeError, match="on the CPU name a path"):
+        Autotuner(config, "group", torch.device("cpu")).time_us(lambda: None)
 
 
 def _everything_at(rank, world):

@@ -63,7 +63,7 @@ broken from then on, as after any timeout: build it again on every rank. The ref
 not: its next call pairs with whichever call of the same number its peers make, the timed-out one included
 (whose writes may have landed in its buffers), as EPAllToAll's calls do. A call that takes the path
 "never" waits in NCCL's collectives instead, which no board reaches (so does overlap="auto"'s first call
-of a shape, whose measurement ends in an all-reduce): a peer of a rank that refused it waits until the
+of a shape, whose measurement runs between barriers of the group and ends in an all-reduce): a peer of a rank that refused it waits until the
 process group's timeout.
 """
 from __future__ import annotations
@@ -216,7 +216,7 @@ class AsyncTP(runtime.CommObject):
             super()._raise_if_failed()
 
     def _operands_pass(self, op: str, a, w) -> tuple[int, int, int] | None:
-        """(M, K, N) if every check of _check_operands passes, in one expression, else None: the common
+        """(M, K, N) if every check of _check_each_operand passes, in one expression, else None: the common
         case at half the host time of the checks that name what is wrong (at decode sizes a call's host
         time before its first launch shows in its time)."""
         try:

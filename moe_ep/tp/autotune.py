@@ -27,7 +27,8 @@ class Autotuner:
 
     choices: (op, M, K, N) -> {"path", "times_us": {path: median us on the slowest rank}, "first_call_ms":
     host time spent choosing}, filled by the first call of each shape under overlap="auto".
-    time_us(fn) -> microseconds of one call of fn(): the clock of the timed calls (tests fake it)."""
+    time_us(fn) -> microseconds of one call of fn(): the clock of the timed calls, by default one call begun
+    after a barrier of the group (tests fake it)."""
 
     def __init__(self, config: TPConfig, group, device: torch.device):
         self.config, self.group, self.device = config, group, device
@@ -37,7 +38,10 @@ class Autotuner:
     def _after_barrier(self, fn) -> float:
         """Microseconds of one call of fn() (``timing.call_us``) begun on every rank together, after a
         barrier of the group: back to back, a call's time would hold the skew between the ranks that the
-        call before it (another path) left, and the paths that wait in NCCL would pay for the others."""
+        call before it (another path) left, and the paths that wait in NCCL would pay for the others.
+        RuntimeError off the GPU (``AsyncTP.simulated``): there, name a path."""
+        if self.device.type != "cuda":
+            raise RuntimeError("overlap='auto' times the paths with CUDA events on the GPU; on the CPU name a path")
         dist.barrier(group=self.group)
         return call_us(fn)
 

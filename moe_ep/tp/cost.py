@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .. import collectives
 
 # Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
-# hopeless ones; the choice itself is measured (measured_choice).
+# hopeless ones; the choice itself is measured (``autotune``) and decided by measured_choice.
 CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
 TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
 LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
