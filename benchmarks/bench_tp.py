@@ -21,6 +21,8 @@ barrier (every rank begins it together), the columns interleaved, round after ro
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs); fused_tma: with tile_loop="tma"
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
+  never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its
+              per-call checks), what `auto` keeps at small shapes: `never_speedup` under 1 is that method's cost
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
@@ -133,6 +135,7 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
     paths = {"fused": with_overlap("fused"), "fused_tma": with_overlap("fused", "tma")}
     if op != "gemm_ar":
         paths["chunked"] = with_overlap("chunked")
+    paths["never"] = with_overlap("never")
     row = {"op": op, "M": m, "K": k, "N": n}
     expected = plain().float()
     for path, run in paths.items():
@@ -175,7 +178,7 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
             row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     progress.step(f"{iters} rounds of {len(timed)} timed calls")
     row.update(zip((key for key, _ in timed), interleaved_median_us([fn for _, fn in timed], iters, 0, after_barrier)))
-    for key in ("fused_us", "fused_tma_us", "chunked_us", "auto_us", "torch_us"):
+    for key in ("fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
     for key in ("triton", "triton_tma"):
@@ -190,14 +193,15 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
 
 
 COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "triton_tma_us",
-           "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "auto_us",
-           "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "auto_speedup",
-           "overlap_efficiency", "auto_path",
+           "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us",
+           "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "never_speedup",
+           "auto_speedup", "overlap_efficiency", "auto_path",
            "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
-           "fused_tma_max_abs_diff", "chunked_max_abs_diff"]
+           "fused_tma_max_abs_diff", "chunked_max_abs_diff", "never_max_abs_diff"]
+# a row's line as it is measured
 ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "plain_us", "torch_us",
-               "fused_us", "fused_tma_us", "chunked_us", "auto_us", "auto_path", "overlap_efficiency"]   # its line
+               "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path", "overlap_efficiency"]
 
 
 def main():
