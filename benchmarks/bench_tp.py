@@ -44,8 +44,8 @@ import torch.distributed as dist
 from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
-from moe_ep.timing import (Progress, benchmark_args, call_us, environment, finish, interleaved_median_us,
-                           markdown_table, row_line)
+from moe_ep.timing import (Progress, benchmark_args, call_after_barrier_us, environment, finish,
+                           interleaved_median_us, markdown_table, row_line)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -83,12 +83,6 @@ def torch_fused_ops():
     ops = torch.ops.symm_mem
     return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
             lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
-
-
-def after_barrier(fn) -> float:
-    """Microseconds of one call of fn() (``call_us``), begun on every rank together: after a barrier."""
-    dist.barrier()
-    return call_us(fn)
 
 
 def measure(op, shape, tp, fused, iters, progress: Progress):
@@ -177,7 +171,8 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
         except Exception as e:            # a baseline this torch cannot run is reported, not fatal
             row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
     progress.step(f"{iters} rounds of {len(timed)} timed calls")
-    row.update(zip((key for key, _ in timed), interleaved_median_us([fn for _, fn in timed], iters, 0, after_barrier)))
+    medians = interleaved_median_us([fn for _, fn in timed], iters, 0, call_after_barrier_us)
+    row.update(zip((key for key, _ in timed), medians))
     for key in ("fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "torch_us"):
         if isinstance(row.get(key), float):
             row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]

@@ -76,9 +76,8 @@ class CommObject(Refusals):
     (``refusals.Refusals``) the checks of each call, with the exchanges by which every rank learns
     that some rank refused it.
 
-    Subclasses set `_symmetric` (name -> symmetric tensor), `_status` (int32, the timeout report of
-    moe_ep.shmem first; None where no kernel reports), `_broken` (None), `rank`, `world`, `backend`,
-    `timeout_s`, and TAGS (status tag -> what was waited for).
+    Subclasses set `_symmetric` (name -> symmetric tensor), their status words (``_watch_status``),
+    `_broken` (None), `rank`, `world`, `backend`, `timeout_s`, and TAGS (status tag -> what was waited for).
     """
 
     TAGS: dict[int, str] = {}
@@ -140,6 +139,13 @@ class CommObject(Refusals):
         """What to add to a timeout message (e.g. call counts)."""
         return ""
 
+    def _watch_status(self, status: torch.Tensor | None) -> None:
+        """Take `status` as this object's status words (int32 in host memory, written by the kernels: the
+        timeout report of moe_ep.shmem first; None where no kernel reports), with a NumPy view of them: every
+        call reads the first word (``_raise_if_failed``), 0.05 us through the view, 1 us indexing the tensor."""
+        self._status = status
+        self._words = None if status is None else status.numpy()
+
     def _raise_if_failed(self) -> None:
         """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout
         (CallRefusedError where peers' notes say they refused the call: ``_raise_refused``)."""
@@ -147,7 +153,7 @@ class CommObject(Refusals):
             raise RuntimeError(f"this {type(self).__name__} was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
-        if self._status is not None and int(self._status[0]):
+        if self._words is not None and self._words[0]:
             _, peer, tag, seen, target = self._status.tolist()[:self.REPORT_WORDS]
             timeout = self._break(f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after "
                                   f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected "

@@ -27,6 +27,13 @@ def call_us(fn) -> float:
     return start.elapsed_time(end) * 1e3
 
 
+def call_after_barrier_us(fn, group=None) -> float:
+    """``call_us(fn)`` begun on every rank of `group` together: after a barrier of the group (host-blocking,
+    so no rank's clock starts while another still runs its last call)."""
+    dist.barrier(group=group)
+    return call_us(fn)
+
+
 def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
     """Median microseconds of fn(), each call timed alone with CUDA events after `warmup` calls;
     `before()`, if given, runs ahead of each timed call, outside the timing (a barrier, say)."""

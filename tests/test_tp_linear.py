@@ -11,8 +11,7 @@ from torch import nn
 
 from cases import llama_mlp
 from distributed import run
-from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference
-from moe_ep.tp import autotune
+from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference, timing
 from moe_ep.tp.autotune import MEASURE_ROUNDS, MEASURE_WARMUP, Autotuner
 from moe_ep.tp.config import TPConfig
 from moe_ep.tp.cost import MARGIN, candidate_paths, measured_choice, predicted_us
@@ -276,8 +275,8 @@ def test_the_fast_operand_checks_pass_only_what_every_check_passes():
 def test_each_timed_call_begins_after_a_barrier_of_the_group(monkeypatch):
     """The tuner's default clock: a barrier of the group, then the call timed alone (on the GPU only)."""
     seen = []
-    monkeypatch.setattr(autotune.dist, "barrier", lambda group=None: seen.append(("barrier", group)))
-    monkeypatch.setattr(autotune, "call_us", lambda fn: fn() or 2.5)
+    monkeypatch.setattr(timing.dist, "barrier", lambda group=None: seen.append(("barrier", group)))
+    monkeypatch.setattr(timing, "call_us", lambda fn: fn() or 2.5)
     config = TPConfig(2, 0, 16, 16, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
     assert Autotuner(config, "group", torch.device("cuda")).time_us(lambda: seen.append("call")) == 2.5
     assert seen == [("barrier", "group"), "call"]

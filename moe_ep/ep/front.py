@@ -252,7 +252,7 @@ class EPAllToAll(runtime.CommObject):
         self.protocol = PROTOCOLS[self.backend](self.config, resources)
         self._slots = self.protocol.slots
         self._symmetric = self.protocol.symmetric
-        self._status = self.protocol.status
+        self._watch_status(self.protocol.status)
 
     # ------------------------------------------------------------------------------------ checks
 

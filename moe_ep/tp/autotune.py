@@ -11,9 +11,8 @@ import functools
 import time
 
 import torch
-import torch.distributed as dist
 
-from ..timing import call_us, interleaved_median_us
+from ..timing import call_after_barrier_us, interleaved_median_us
 from .config import TPConfig
 from .cost import candidate_paths, measured_choice
 
@@ -42,8 +41,7 @@ class Autotuner:
         RuntimeError off the GPU (``AsyncTP.simulated``): there, name a path."""
         if self.device.type != "cuda":
             raise RuntimeError("overlap='auto' times the paths with CUDA events on the GPU; on the CPU name a path")
-        dist.barrier(group=self.group)
-        return call_us(fn)
+        return call_after_barrier_us(fn, self.group)
 
     def path(self, op: str, m: int, k: int, n: int, run) -> str:
         """"never", "fused" or "chunked" for a call of `op` on [M, K] @ [K, N]. Under overlap="auto" the
