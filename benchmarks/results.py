@@ -77,7 +77,7 @@ def generic_section(data: dict) -> str:
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             columns = list(dict.fromkeys(c for v in value for c in v))
             columns = [c for c in columns if all(isinstance(v.get(c), (int, float, str, type(None))) for v in value)]
-            text += f"\n{key}:\n\n{markdown_table(value, columns)}\n"
+            text += f"\n{key}:\n\n{markdown_table(value, columns, '.4g')}\n"
     return text
 
 
