@@ -75,12 +75,14 @@ LAUNCHES = ("dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_se
 def inputs(tokens: int, max_tokens: int, experts_per_rank: int):
     """This rank's inputs of a setting, the same in every benchmark that imports this: x [T, H] bf16,
     topk_ids [T, K] int64, topk_weights [T, K] fp32 (router-like) and the experts' outputs
-    [E_loc, W * max_tokens, H] bf16 that combine reads."""
+    [E_loc, W * max_tokens, H] bf16 that combine reads. The experts' outputs are drawn on the GPU: at 4096
+    tokens per rank they are 7.5e9 samples, about a minute on the one CPU thread a rank has."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g).bfloat16().cuda()
     ids, weights = random_topk(tokens, EXPERTS, TOPK, device="cuda", generator=g)
-    expert_out = torch.randn(experts_per_rank, world * max_tokens, HIDDEN, generator=g).bfloat16().cuda()
+    expert_out = torch.randn(experts_per_rank, world * max_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                             generator=torch.Generator(device="cuda").manual_seed(rank))
     return x, ids, weights, expert_out
 
 
