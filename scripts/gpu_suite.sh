@@ -174,9 +174,10 @@ for part in $parts; do
   case "$part" in
     quick)
       # Four lanes side by side under one MPS daemon, balanced for a warm compile cache: the one-process
-      # kernel tests (no waits on a peer); NVSHMEM's wrappers, then elastic EP at 4 ranks; EP, MoE layer and
-      # quant at 2 ranks, then the engines; async TP. Each kernel that waits on a peer is bounded, and each
-      # rank holds its share of the SMs.
+      # kernel tests (no waits on a peer); NVSHMEM's wrappers, then elastic EP at 4 ranks; EP at 2 ranks,
+      # then the engines; async TP, the MoE layer and quant at 2 ranks (in the EP lane until the night of
+      # 2026-11-26, when that lane ended last, at 354 s, and the TP lane at 180 s). Each kernel that waits on
+      # a peer is bounded, and each rank holds its share of the SMs.
       # Each limit is 1.5-2x its step's cold time on one H200 (benchmarks/NOTES.md, "The quick GPU suite").
       shared_gpu
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
@@ -185,9 +186,9 @@ for part in $parts; do
         tests/test_shmem_gpu.py --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu \
         tests/test_ep_elastic.py
       lane pytest_ep 480 env MOE_EP_TEST_WORLDS=2 MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 \
-        -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py tests/test_moe_layer.py tests/test_quant.py \
-        --and-then engine_tests 240
-      lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py
+        -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py --and-then engine_tests 240
+      lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py \
+        tests/test_moe_layer.py tests/test_quant.py
       wait
       cat "$out"/*.lane
       lanes_passed pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic
