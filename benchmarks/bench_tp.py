@@ -10,8 +10,9 @@ Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores th
   GEMM-RS  a [M, K/tp] @ w [K/tp, N] -> [M/tp, N]         (row-parallel, sequence-parallel output)
   GEMM-AR  a [M, K/tp] @ w [K/tp, N] -> [M, N]            (row-parallel, all rows: decode, M <= 512 only)
 For each, the median of `--iters` CUDA-event times, in us: every column's call timed alone after a
-barrier (every rank begins it together), the columns interleaved, round after round one call of each
-(after WARMUP untimed calls each), so that drift over a row (clocks, NCCL's state) falls on all alike:
+barrier (every rank begins it together), the columns interleaved, round after round one call of each in
+an order of the round's own (after WARMUP untimed calls each), so that drift over a row (clocks, NCCL's
+state) and whatever a call leaves for the next fall on all alike:
   comm, gemm  the collective alone (NCCL) and the GEMM alone (cuBLAS)
   triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
               = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:

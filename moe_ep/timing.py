@@ -5,6 +5,7 @@ one takes long) and its table."""
 import argparse
 import datetime
 import os
+import random
 import statistics
 import sys
 import threading
@@ -51,15 +52,22 @@ def interleaved_median_us(fns: list, rounds: int, warmup: int = 1, time_us=call_
     """Median microseconds of each of `fns` (results dropped), timed interleaved so that drift (clocks, a
     collective's first calls of a size, host jitter) falls on all of them alike instead of deciding between
     them: `warmup` untimed calls of each, then `rounds` rounds of one call of each, every call timed alone
-    by `time_us(fn)` -> us, round r beginning at fns[r % len(fns)] so that none always goes first."""
+    by `time_us(fn)` -> us, in ``round_order(r, len(fns))``: none always goes first, and none always
+    follows the same one (whatever state a call leaves, the next call's time does not always carry it)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
     for r in range(rounds):
-        for i in range(r, r + len(fns)):
-            times[i % len(fns)].append(time_us(fns[i % len(fns)]))
+        for i in round_order(r, len(fns)):
+            times[i].append(time_us(fns[i]))
     return [statistics.median(t) for t in times]
+
+
+def round_order(r: int, n: int) -> list[int]:
+    """The order of round `r` of n interleaved callables: a permutation drawn from a generator seeded by r,
+    the same on every rank (callables that are collectives must run in one order everywhere)."""
+    return random.Random(r).sample(range(n), n)
 
 
 def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None, **flags: str) -> argparse.Namespace:

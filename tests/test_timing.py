@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from moe_ep.timing import Progress, markdown_table, row_line, token_counts
+from moe_ep.timing import Progress, interleaved_median_us, markdown_table, round_order, row_line, token_counts
 
 
 def test_heartbeat_names_a_block_that_runs_long(capsys):
@@ -51,3 +51,18 @@ def test_token_counts():
     for text in ("", "0", "128,", "a", "-4", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive token counts"):
             token_counts(text)
+
+
+def test_interleaved_rounds_vary_who_goes_first_and_who_follows_whom():
+    n, rounds = 5, 40
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(n)]
+    medians = interleaved_median_us(fns, rounds, warmup=1, time_us=lambda fn: (fn(), float(calls[-1]))[1])
+    assert medians == [float(i) for i in range(n)], "each median is of its own callable's times"
+    assert calls[:n] == list(range(n)), "the warm-up calls each once, in order"
+    orders = [calls[n + r * n: n + (r + 1) * n] for r in range(rounds)]
+    assert all(sorted(order) == list(range(n)) for order in orders), "a round calls each once"
+    assert orders == [round_order(r, n) for r in range(rounds)], "the same order on every rank: seeded by the round"
+    assert {order[0] for order in orders} == set(range(n)), "each goes first in some round"
+    followers = {i: {order[order.index(i) + 1] for order in orders if order[-1] != i} for i in range(n)}
+    assert all(len(after) > 1 for after in followers.values()), f"none always follows the same one: {followers}"

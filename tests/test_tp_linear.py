@@ -335,9 +335,9 @@ def _measured_choice_agrees_and_is_cached(rank, world):
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
     paths = ["chunked", "fused", "never"]
     calls = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
-    # warmed up first, then round r times each candidate once, beginning at the r-th
+    # warmed up first, then round r times each candidate once, in the round's order (the same on every rank)
     assert ran[:3 * MEASURE_WARMUP] == paths * MEASURE_WARMUP and len(ran) == calls
-    assert timed == ran[3 * MEASURE_WARMUP:] == [paths[(r + i) % 3] for r in range(MEASURE_ROUNDS) for i in range(3)]
+    assert timed == ran[3 * MEASURE_WARMUP:] == [paths[i] for r in range(MEASURE_ROUNDS) for i in timing.round_order(r, 3)]
     choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
     assert choice["times_us"] == {"chunked": 30.0, "fused": 22.0, "never": 25.0} and choice["first_call_ms"] > 0
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == calls        # cached
