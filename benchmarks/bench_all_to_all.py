@@ -46,20 +46,24 @@ sizes its object for its longest batch and then runs decode calls on it (otherwi
 object of its own size).
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
-`--host-only` needs no GPU: it prints the front's host time per call on a simulated one-process
-world (EPAllToAll.simulated), launches left out.
+`--host-only` needs no GPU: it prints the host time per call on a simulated one-process world
+(EPAllToAll.simulated), launches left out (the front's share), and with every launch through BoundKernel up to
+the compiled kernel, which does nothing there (the package's own Python of a call: all of it but Triton's
+launcher and the driver). Run it without TRITON_INTERPRET.
 """
 import json
 import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.formats import FORMATS
+from moe_ep.launcher import BoundKernel
 from moe_ep.routing import hbm_bytes, link_bytes
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, link_floor_us, markdown_table,
                            median_us, row_line)
@@ -128,42 +132,70 @@ def _no_launch(*args) -> None:
     """A protocol launch left out (front_host_us)."""
 
 
+def calls_host_us(ep, x, ids, weights, expert_out, iters: int) -> dict:
+    """Median CPU microseconds of a dispatch and of a combine (of a fresh dispatch's handle), each call timed
+    alone, over `iters` calls of each. Every rank must run it the same number of times (it moves the slots on)."""
+    out = {}
+    for op in ("dispatch", "combine"):
+        times = []
+        for _ in range(iters):
+            *_, handle = ep.dispatch(x, ids, weights)
+            start = time.perf_counter()
+            if op == "dispatch":
+                ep.dispatch(x, ids, weights)
+            else:
+                ep.combine(expert_out, handle)
+            times.append((time.perf_counter() - start) * 1e6)
+        out[op] = statistics.median(times)
+    return out
+
+
 def front_host_us(ep, x, ids, weights, expert_out, iters: int = 200) -> dict:
     """Median CPU microseconds of dispatch and combine with the protocol's launches left out: the
-    front's own share of a call. Every rank must run it the same number of times (it moves the slots on)."""
+    front's own share of a call (calls_host_us)."""
     for name in LAUNCHES:
         setattr(ep.protocol, name, _no_launch)
     try:
-        out = {}
-        for op in ("dispatch", "combine"):
-            times = []
-            for _ in range(iters):
-                *_, handle = ep.dispatch(x, ids, weights)
-                start = time.perf_counter()
-                if op == "dispatch":
-                    ep.dispatch(x, ids, weights)
-                else:
-                    ep.combine(expert_out, handle)
-                times.append((time.perf_counter() - start) * 1e6)
-            out[f"{op}_front_us"] = statistics.median(times)
-        return out
+        return {f"{op}_front_us": us for op, us in calls_host_us(ep, x, ids, weights, expert_out, iters).items()}
     finally:
         for name in LAUNCHES:
             delattr(ep.protocol, name)
 
 
+class _NoKernel:
+    """A compiled kernel whose launch does nothing (bound_host_us): BoundKernel hands it what it would hand
+    Triton's launcher."""
+    function = packed_metadata = None
+
+    def run(self, *args) -> None:
+        pass
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+
+def bound_host_us(ep, x, ids, weights, expert_out, iters: int = 2000) -> dict:
+    """Median CPU microseconds of dispatch and combine on a machine without a GPU, every launch through
+    BoundKernel (its specialization key, argument list, launch hooks) up to a compiled kernel that does nothing
+    (_NoKernel: nothing is compiled, no stream asked for): the package's own Python of a call, all of its host
+    time but Triton's launcher and the driver (calls_host_us)."""
+    with mock.patch.object(BoundKernel, "_compile", lambda kernel, arguments: (_NoKernel(), kernel.grid)), \
+            mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, create=True):
+        return {f"{op}_bound_us": us for op, us in calls_host_us(ep, x, ids, weights, expert_out, iters).items()}
+
+
 def host_only() -> None:
-    """The front's host time per call without a GPU: rank 0 of a simulated 2-rank world at the decode
-    sizes."""
-    print("front host time per call (launches left out), CPU, us:")
+    """The host time per call without a GPU: rank 0 of a simulated 2-rank world at the decode sizes, the front's
+    share (front_host_us) and the package's whole Python (bound_host_us)."""
+    print("host time per call on the CPU, us: front (launches left out) / through BoundKernel (the kernel a no-op)")
     for tokens in DECODE:
         ep = EPAllToAll.simulated(2, tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP)[0]
         x = torch.randn(tokens, HIDDEN).bfloat16()
         ids, weights = random_topk(tokens, EXPERTS, TOPK)
         expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
-        times = front_host_us(ep, x, ids, weights, expert_out)
-        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f}, "
-              f"combine {times['combine_front_us']:.1f}")
+        times = {**front_host_us(ep, x, ids, weights, expert_out), **bound_host_us(ep, x, ids, weights, expert_out)}
+        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f} / {times['dispatch_bound_us']:.1f}, "
+              f"combine {times['combine_front_us']:.1f} / {times['combine_bound_us']:.1f}")
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:

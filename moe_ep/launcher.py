@@ -141,16 +141,17 @@ class BoundKernel:
         there as the compiled launcher takes it (a tensor as its address)."""
         key = []
         for position, keyed, value in zip(self._positions, self._keyed, values):
-            if isinstance(value, torch.Tensor):
+            if value.__class__ is int:                       # the most common value, asked first
+                if keyed:
+                    key += (value == 1, value % 16 == 0)
+            elif isinstance(value, torch.Tensor):
                 address = value.data_ptr()
-                key.append(value.dtype)
-                key.append(address % 16 == 0)
+                key += (value.dtype, address % 16 == 0)
                 value = address
             elif isinstance(value, TensorDescriptor):        # the compiled launcher unpacks it
                 key.append(_descriptor_key(value))
-            elif keyed:                                      # an int
-                key.append(value == 1)
-                key.append(value % 16 == 0)
+            elif keyed:                                      # another kind of int (a bool, a NumPy int)
+                key += (value == 1, value % 16 == 0)
             if args is not None:
                 args[position] = value
         return tuple(key)

@@ -141,10 +141,11 @@ class CommObject(Refusals):
 
     def _watch_status(self, status: torch.Tensor | None) -> None:
         """Take `status` as this object's status words (int32 in host memory, written by the kernels: the
-        timeout report of moe_ep.shmem first; None where no kernel reports), with a NumPy view of them: every
-        call reads the first word (``_raise_if_failed``), 0.05 us through the view, 1 us indexing the tensor."""
+        timeout report of moe_ep.shmem first; None where no kernel reports), with a memoryview of them: every
+        call reads the first word (``_raise_if_failed``), 0.015 us a word through it (a Python int), 0.03 us
+        through NumPy (a NumPy scalar), 1 us indexing the tensor."""
         self._status = status
-        self._words = None if status is None else status.numpy()
+        self._words = None if status is None else memoryview(status.numpy())
 
     def _raise_if_failed(self) -> None:
         """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout

@@ -2,6 +2,7 @@
 payload formats its kernels do not apply among them; its kernels compile for the GPU; the routing helpers
 count what a call moves; "auto"'s crossover is decided from timings."""
 import dataclasses
+import re
 import time
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from distributed import die, run
 from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, link_copies, random_topk
-from moe_ep.ep.front import check_config, dispatchable
-from moe_ep.ep.low_latency import ONE_LAUNCH_TOKENS
+from moe_ep.ep.front import EPHandle, check_config, dispatchable
+from moe_ep.ep.low_latency import BAD_CALL, ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import crossover_tokens
 from moe_ep.formats import FORMATS
 from moe_ep.reference import dequantize_fp8
@@ -93,6 +94,111 @@ def _input_errors(rank, world):
     ep.dispatch(x, ids, weights)
     with pytest.raises(ValueError, match="stale"):
         ep.combine(torch.zeros(4, 16, 256, dtype=torch.bfloat16), handle)
+
+
+def _checked(ep, op: str, *args):
+    """What the checks one at a time make of a call (``_check_call``'s verdict): its return value, or the error
+    it raised. The fast checks' verdict is a value, or None where those checks must name what is wrong."""
+    check = ep._check_dispatch_args if op == "dispatch" else ep._check_combine_args
+    fast = ep._dispatch_passes(*args) if op == "dispatch" else ep._combine_passes(*args) or None
+    try:
+        return fast, ep._check_call(op, check, *args)
+    except (ValueError, RuntimeError) as error:
+        return fast, error
+
+
+def test_the_fast_call_checks_pass_only_what_every_check_passes():
+    """EPAllToAll's per-call checks in one expression (the common case, cheap on the host) pass only the
+    dispatches and combines that the checks one at a time pass (a dispatch with the same token count); the rest
+    fall through to those checks, which name what is wrong: bad arguments, and an object that cannot take
+    the call now (an earlier failure, calls in flight, a stale or foreign handle)."""
+    ep, peer = EPAllToAll.simulated(2, 8, 256, 8, 2)        # fp8, every rank in this process, nothing launched
+    x = torch.randn(4, 256).bfloat16()
+    ids, weights = random_topk(4, 8, 2)
+    meta = torch.device("meta")
+    good = [(x, ids, weights, "auto"), (x, ids.int(), weights.bfloat16(), "decode"),
+            (x, ids, weights.half(), "prefill"), (x[:0], ids[:0], weights[:0], "auto"),
+            (torch.randn(8, 256).bfloat16(), *random_topk(8, 8, 2), "auto")]
+    for x_, ids_, weights_, mode in good:
+        assert _checked(ep, "dispatch", x_, ids_, weights_, mode, None) == (x_.shape[0], x_.shape[0])
+    bad = [((x.float(), ids, weights, "auto"), "x has dtype torch.float32"),
+           ((x[:, :128].contiguous(), ids, weights, "auto"), "x has hidden size 128"),
+           ((x[0], ids, weights, "auto"), "x must be 2-D"), ((x[None], ids, weights, "auto"), "x must be 2-D"),
+           ((torch.randn(9, 256).bfloat16(), *random_topk(9, 8, 2), "auto"), "9 tokens is more than max_tokens=8"),
+           ((x, ids.short(), weights, "auto"), "topk_ids has dtype torch.int16"),
+           ((x, ids[:, :1].contiguous(), weights, "auto"), r"topk_ids has shape \(4, 1\), expected \(4, 2\)"),
+           ((x, ids[:3], weights, "auto"), r"topk_ids has shape \(3, 2\)"),
+           ((x, ids, weights.long(), "auto"), "topk_weights has dtype torch.int64"),
+           ((x, ids, weights[None], "auto"), r"topk_weights has shape \(1, 4, 2\)"),
+           ((x.t().contiguous().t(), ids, weights, "auto"), "x must be contiguous"),
+           ((x, ids.t().contiguous().t(), weights, "auto"), "topk_ids must be contiguous"),
+           ((x, ids, weights.t().contiguous().t(), "auto"), "topk_weights must be contiguous"),
+           ((x.to(meta), ids, weights, "auto"), "x is on meta"), ((x, ids.to(meta), weights, "auto"), "topk_ids is on"),
+           ((x, ids, weights.to(meta), "auto"), "topk_weights is on meta"),
+           ((x.tolist(), ids, weights, "auto"), "x must be a torch.Tensor"),
+           ((x, ids.tolist(), weights, "auto"), "topk_ids must be a torch.Tensor"),
+           ((x, ids, None, "auto"), "topk_weights must be a torch.Tensor"),
+           ((x, ids, weights, "bulk"), "mode must be one of"), ((x, ids, weights, None), "mode must be one of")]
+    for args, message in bad:
+        fast, error = _checked(ep, "dispatch", *args, None)
+        assert fast is None and isinstance(error, ValueError) and re.search(message, str(error)), (message, error)
+    fast, error = _checked(ep, "dispatch", x, ids, weights, "auto", torch.ones(1))
+    assert fast is None and "payload format 'fp8' has no per-tensor scale" in str(error)
+
+    # nvfp4: a per-tensor scale, float32 [1] or [] on the device, and nothing else
+    scaled = EPAllToAll.simulated(2, 8, 256, 8, 2, payload="nvfp4")[0]
+    for scale in (torch.ones(1), torch.ones(())):
+        assert _checked(scaled, "dispatch", x, ids, weights, "auto", scale) == (4, 4)
+    for scale, message in ((None, "needs tensor_scale"), (torch.ones(1).double(), "tensor_scale has dtype"),
+                           (torch.ones(2), r"tensor_scale has shape \(2,\)"), (torch.ones(1, device=meta), "on meta"),
+                           (1.0, "tensor_scale must be a torch.Tensor")):
+        fast, error = _checked(scaled, "dispatch", x, ids, weights, "auto", scale)
+        assert fast is None and re.search(message, str(error)), (message, error)
+
+    # a combine of the handle of this object's dispatch 1
+    ep._dispatches = 1
+    handle = EPHandle(0, 1, 4, ids, ep.protocol.outputs[0][3], True, None, ep)
+    expert_out = torch.zeros(4, 16, 256, dtype=torch.bfloat16)
+    out = torch.empty(4, 256, dtype=torch.bfloat16)
+    for given in (None, out):
+        assert _checked(ep, "combine", expert_out, handle, given) == (True, None)
+    wide = torch.zeros(4, 16, 512, dtype=torch.bfloat16)[:, :, :256]
+    bad = [((expert_out.float(), handle, None), "expert_out has dtype"),
+           ((expert_out[:, :8], handle, None), r"expert_out has shape \(4, 8, 256\)"),
+           ((wide, handle, None), "expert_out must be contiguous"), ((expert_out.to(meta), handle, None), "on meta"),
+           ((expert_out.tolist(), handle, None), "expert_out must be a torch.Tensor"),
+           ((expert_out, "handle", None), "the handle of a dispatch whose receive has completed"),
+           ((expert_out, dataclasses.replace(handle, received=False), None), "whose receive has completed"),
+           ((expert_out, dataclasses.replace(handle, owner=peer), None), "came from another EPAllToAll"),
+           ((expert_out, dataclasses.replace(handle, call=-1), None), "stale handle"),
+           ((expert_out, handle, out.float()), "out has dtype"), ((expert_out, handle, out[:3]), "out has shape"),
+           ((expert_out, handle, torch.empty(256, 4, dtype=torch.bfloat16).t()), "out must be contiguous"),
+           ((expert_out, handle, out.to(meta)), "out is on meta"),
+           ((expert_out, handle, out.tolist()), "out must be a torch.Tensor")]
+    for args, message in bad:
+        fast, error = _checked(ep, "combine", *args)
+        assert fast is None and isinstance(error, ValueError) and re.search(message, str(error)), (message, error)
+
+    # an object that cannot take the call now, whatever its arguments
+    dispatch, combine = (x, ids, weights, "auto", None), (expert_out, handle, None)
+    for op, args, message in (("dispatch", dispatch, "two dispatches are already in flight"),
+                              ("combine", combine, "two combines are already in flight")):
+        ep._in_flight[op] = 2
+        fast, error = _checked(ep, op, *args)
+        ep._in_flight[op] = 0
+        assert fast is None and message in str(error)
+    for op, args in (("dispatch", dispatch), ("combine", combine)):
+        ep.protocol._words[BAD_CALL] = 1                 # an out-of-range id an earlier dispatch saw
+        fast, error = _checked(ep, op, *args)
+        assert fast is None and isinstance(error, ValueError) and "dispatch call 1 had topk_ids" in str(error)
+        assert _checked(ep, op, *args) == ((4, 4) if op == "dispatch" else (True, None))   # reported once
+    ep._own_checks = False                               # a protocol that exchanges verdicts or reads ids
+    assert _checked(ep, "dispatch", *dispatch) == (None, 4) and _checked(ep, "combine", *combine) == (None, None)
+    ep._own_checks = True
+    ep._broken = "a wait timed out"
+    for op, args in (("dispatch", dispatch), ("combine", combine)):
+        fast, error = _checked(ep, op, *args)
+        assert fast is None and isinstance(error, CommTimeoutError) and "a wait timed out" in str(error)
 
 
 def test_bad_configurations_raise():

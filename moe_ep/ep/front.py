@@ -253,6 +253,9 @@ class EPAllToAll(runtime.CommObject):
         self._slots = self.protocol.slots
         self._symmetric = self.protocol.symmetric
         self._watch_status(self.protocol.status)
+        # Whether a call's checks are the front's alone (no verdicts exchanged, no ids read on the host): only then
+        # may a call that passes them all in one expression skip _check_call (_dispatch_passes, _combine_passes)
+        self._own_checks = not (self.protocol.agrees_on_calls or self.protocol.checks_ids_on_host)
 
     # ------------------------------------------------------------------------------------ checks
 
@@ -268,27 +271,32 @@ class EPAllToAll(runtime.CommObject):
     def _calls(self) -> dict[str, int]:
         return {"dispatch": self._dispatches, "combine": self._combines}
 
-    def _dispatch_args_pass(self, x, topk_ids, topk_weights, mode, tensor_scale) -> bool:
-        """True if every check of _check_dispatch_args passes, in one expression: the common case at a
-        third of the host time of the checks that name what is wrong."""
+    def _dispatch_passes(self, x, topk_ids, topk_weights, mode, tensor_scale) -> int | None:
+        """T, the token count, if ``_check_call`` would let this dispatch through with nothing to raise or
+        agree on, in one expression: nothing failed earlier (``_raise_if_failed``), the checks are this
+        front's own, and every check of _check_dispatch_args passes. Else None: the checks one at a time
+        name what is wrong. The common case at a fraction of their host time."""
         try:
             c, device = self.config, self.device
-            rows = (x.shape[0], c.topk)
-            return (x.dtype == c.dtype and topk_ids.dtype in IDS_DTYPES and topk_weights.dtype in WEIGHT_DTYPES
-                    and x.shape == (rows[0], c.hidden) and topk_ids.shape == rows and topk_weights.shape == rows
-                    and rows[0] <= c.max_tokens and x.device == device and topk_ids.device == device
-                    and topk_weights.device == device and x.is_contiguous() and topk_ids.is_contiguous()
-                    and topk_weights.is_contiguous() and self._in_flight["dispatch"] < self._slots and mode in MODES
-                    and (tensor_scale is None if not c.payload.tensor_scale else
-                         tensor_scale.dtype == torch.float32 and tensor_scale.shape in TENSOR_SCALE_SHAPES
-                         and tensor_scale.device == device))
-        except (AttributeError, IndexError, TypeError):
-            return False
+            tokens, hidden = x.shape
+            rows = (tokens, c.topk)
+            passes = (self._own_checks and not self._broken and not self.protocol.reported()
+                      and x.dtype == c.dtype and topk_ids.dtype in IDS_DTYPES and topk_weights.dtype in WEIGHT_DTYPES
+                      and hidden == c.hidden and topk_ids.shape == rows and topk_weights.shape == rows
+                      and tokens <= c.max_tokens and x.device == device and topk_ids.device == device
+                      and topk_weights.device == device and x.is_contiguous() and topk_ids.is_contiguous()
+                      and topk_weights.is_contiguous() and self._in_flight["dispatch"] < self._slots
+                      and mode in MODES
+                      and (tensor_scale is None if not c.payload.tensor_scale else
+                           tensor_scale.dtype == torch.float32 and tensor_scale.shape in TENSOR_SCALE_SHAPES
+                           and tensor_scale.device == device))
+            return tokens if passes else None
+        except (AttributeError, TypeError, ValueError):
+            return None
 
-    def _check_dispatch_args(self, x, topk_ids, topk_weights, mode, tensor_scale) -> None:
-        if not self.protocol.checks_ids_on_host and self._dispatch_args_pass(x, topk_ids, topk_weights, mode,
-                                                                              tensor_scale):
-            return
+    def _check_dispatch_args(self, x, topk_ids, topk_weights, mode, tensor_scale) -> int:
+        """ValueError unless x [T, H], topk_ids and topk_weights [T, K], `mode` and `tensor_scale` are a dispatch
+        this object can take now (ids in range, where the protocol reads them on the host); T."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self._check_tensor_scale(tensor_scale)
@@ -304,6 +312,7 @@ class EPAllToAll(runtime.CommObject):
             self.protocol.check_ids(topk_ids)
         if self._in_flight["dispatch"] >= self._slots:
             raise ValueError("two dispatches are already in flight: call the receive hook of the earlier one first")
+        return tokens
 
     def _check_tensor_scale(self, tensor_scale) -> None:
         """ValueError unless `tensor_scale` is what the payload format asks for: with a per-tensor scale
@@ -320,11 +329,14 @@ class EPAllToAll(runtime.CommObject):
         if tensor_scale.shape not in TENSOR_SCALE_SHAPES:
             raise ValueError(f"tensor_scale has shape {tuple(tensor_scale.shape)}, expected (1,) or ()")
 
-    def _combine_args_pass(self, expert_out, handle, out) -> bool:
-        """True if every check of _check_combine_args passes, in one expression (as _dispatch_args_pass)."""
+    def _combine_passes(self, expert_out, handle, out) -> bool:
+        """Whether ``_check_call`` would let this combine through with nothing to raise or agree on, in one
+        expression (as _dispatch_passes): nothing failed earlier, the checks are this front's own, and every
+        check of _check_combine_args passes."""
         try:
             c, device = self.config, self.device
-            return (isinstance(handle, EPHandle) and handle.owner is self and handle.received
+            return (self._own_checks and not self._broken and not self.protocol.reported()
+                    and isinstance(handle, EPHandle) and handle.owner is self and handle.received
                     and self._dispatches < handle.call + self._slots
                     and expert_out.dtype == c.dtype and expert_out.shape == c.expert_rows
                     and expert_out.device == device and expert_out.is_contiguous()
@@ -335,8 +347,8 @@ class EPAllToAll(runtime.CommObject):
             return False
 
     def _check_combine_args(self, expert_out, handle, out) -> None:
-        if self._combine_args_pass(expert_out, handle, out):
-            return
+        """ValueError unless expert_out [E_loc, W*T_max, H], `handle` and `out` are a combine this object can
+        take now."""
         self._expect("expert_out", expert_out, (self.dtype,), shape=self.config.expert_rows)
         if not isinstance(handle, EPHandle) or not handle.received:
             raise ValueError("combine needs the handle of a dispatch whose receive has completed")
@@ -380,22 +392,23 @@ class EPAllToAll(runtime.CommObject):
             hook (with return_recv_hook=True): launches the receive; read the outputs only after it.
         The outputs stay valid until the dispatch after next.
         """
-        self._check_call("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode, tensor_scale,
-                         agreed=self.protocol.agrees_on_calls)
+        tokens = self._dispatch_passes(x, topk_ids, topk_weights, mode, tensor_scale)
+        if tokens is None:
+            tokens = self._check_call("dispatch", self._check_dispatch_args, x, topk_ids, topk_weights, mode,
+                                      tensor_scale, agreed=self.protocol.agrees_on_calls)
         slot = self._dispatches % self._slots
         self._dispatches += 1
         call, protocol = self._dispatches, self.protocol
         if return_recv_hook and not protocol.receives_at_send:
             protocol.dispatch_send(slot, x, topk_ids, topk_weights, call, mode, tensor_scale)
             recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-            handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, lost=protocol.lost(slot, x.shape[0]),
-                              owner=self)
+            handle = EPHandle(slot, call, tokens, topk_ids, recv_src, lost=protocol.lost(slot, tokens), owner=self)
             self._in_flight["dispatch"] += 1
             return recv_x, recv_scales, recv_count, handle, _ReceiveHook(
                 "dispatch", functools.partial(self._dispatch_received, slot, handle))
         protocol.dispatch(slot, x, topk_ids, topk_weights, call, mode, tensor_scale)
         recv_x, recv_scales, recv_count, recv_src = protocol.outputs[slot]
-        handle = EPHandle(slot, call, x.shape[0], topk_ids, recv_src, True, protocol.lost(slot, x.shape[0]), self)
+        handle = EPHandle(slot, call, tokens, topk_ids, recv_src, True, protocol.lost(slot, tokens), self)
         return (recv_x, recv_scales, recv_count, handle, _no_hook) if return_recv_hook else \
             (recv_x, recv_scales, recv_count, handle)
 
@@ -421,8 +434,9 @@ class EPAllToAll(runtime.CommObject):
                 (t, k), in fp32.
             hook (with return_recv_hook=True): launches the receive; read y only after it.
         """
-        self._check_call("combine", self._check_combine_args, expert_out, handle, out,
-                         agreed=self.protocol.agrees_on_calls)
+        if not self._combine_passes(expert_out, handle, out):
+            self._check_call("combine", self._check_combine_args, expert_out, handle, out,
+                             agreed=self.protocol.agrees_on_calls)
         slot = self._combines % self._slots
         self._combines += 1
         protocol = self.protocol

@@ -20,6 +20,7 @@ from .protocol import CallShape, EPConfig, EPResources, KernelProtocol
 from .puts import PutPeers
 
 SLOTS = kernels.NUM_SLOTS
+BAD_CALL, EVICTED = STATUS_BAD_CALL.value, STATUS_EVICTED.value    # status words read at every call, as ints
 
 # Programs (of 4 warps) per SM, at most: enough for the grid-stride loops to keep rows in flight against HBM
 # and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the
@@ -231,7 +232,7 @@ class LowLatency(KernelProtocol):
         symmetric_zeros, device, sms = resources.symmetric_zeros, resources.device, resources.sms
         self.one_launch = resources.one_launch
         status = torch.zeros(EP_STATUS_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._words = status.numpy()                  # written by the kernels, read by the host
+        self._words = memoryview(status.numpy())      # written by the kernels, read by the host (_watch_status)
         S, W, T, H = SLOTS, config.world, config.max_tokens, config.hidden
         self.send_layout, self.receive_layout = layout_arguments(config)
         self._layouts = layout = max(layout_blocks(config, 0), layout_blocks(config, T))   # the most of a call
@@ -283,17 +284,18 @@ class LowLatency(KernelProtocol):
 
     def reported(self) -> bool:
         """A timeout, an out-of-range expert id, or this rank masked by its peers: reads of pinned memory."""
-        return bool(self._words[0] or self._words[STATUS_BAD_CALL.value] or self._words[STATUS_EVICTED.value])
+        words = self._words
+        return bool(words[0] or words[BAD_CALL] or words[EVICTED])
 
     def raise_reported(self) -> None:
         """CommTimeoutError if this (elastic) rank found itself masked by its peers; ValueError naming the
         first out-of-range expert id a dispatch saw (the id was dropped)."""
-        if self._words[STATUS_EVICTED.value]:
+        if self._words[EVICTED]:
             raise CommTimeoutError(f"rank {self.config.rank} was masked by its peers: it answered one of their waits "
                                    f"later than timeout_s={self.config.timeout_s}s, and they went on without it")
-        if self._words[STATUS_BAD_CALL.value]:
-            call, bad, index = (int(self._words[w.value]) for w in (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX))
-            self._words[STATUS_BAD_CALL.value] = 0
+        if self._words[BAD_CALL]:
+            call, bad, index = (self._words[w.value] for w in (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX))
+            self._words[BAD_CALL] = 0
             c = self.config
             raise ValueError(f"rank {c.rank}: dispatch call {call} had topk_ids[{index // c.topk}, {index % c.topk}] "
                              f"= {bad}, outside [-1, {c.num_experts}) (-1 = dropped slot); it was dropped")

@@ -41,10 +41,12 @@ from ..shmem import INTERPRETING
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
 
 
-def capturing(device: torch.device) -> bool:
-    """Whether work on `device`'s current stream is being captured into a CUDA graph (what
-    torch.cuda.is_current_stream_capturing asks, without its wrapper: this runs in every eager call)."""
-    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+def capturing(cuda: bool) -> bool:
+    """Whether work on the current stream of a caller's device is being captured into a CUDA graph (what
+    torch.cuda.is_current_stream_capturing asks, without its wrapper: this runs in every eager call); `cuda`:
+    whether that device is a GPU (asked once, ``EPProtocol.cuda``: torch.device.type takes 0.2 us a read),
+    False where nothing is captured."""
+    return cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def crossover_tokens(sizes, decode_us, prefill_us) -> int:
@@ -143,6 +145,7 @@ class EPProtocol:
 
     def __init__(self, config: EPConfig, resources: EPResources):
         self.config, self.device = config, resources.device
+        self.cuda = resources.device.type == "cuda"      # whether a launch may be captured (``capturing``)
         self.symmetric: dict[str, torch.Tensor] = {}
 
     def connect(self, peer_addresses) -> None:
@@ -338,28 +341,28 @@ class KernelProtocol(EPProtocol):
 
     one_launch = True          # calls without a receive hook may run both phases in one launch (EPResources)
 
-    def _send_values(self, x, topk_ids, topk_weights, call: int, tensor_scale) -> tuple:
+    def _send_values(self, x, topk_ids, topk_weights, tokens: int, call: int, tensor_scale) -> tuple:
         """The values of a dispatch send's per-call arguments (``low_latency.dispatch_arguments``): the
-        inputs, the token count, the call, its layout programs, and the tensor scale where the format has one."""
-        tokens = x.shape[0]
+        inputs, the token count T (x's rows), the call, its layout programs, and the tensor scale where the
+        format has one."""
         values = (x, topk_ids, topk_weights, tokens, call, self._shape(tokens).layout_blocks)
         return values if tensor_scale is None else (*values, tensor_scale)
 
-    def _ready_dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, tensor_scale) -> None:
-        """Before an eager dispatch: compile every dispatch kernel of `slot` for inputs like these (both tiles,
-        one launch and two), once. Ranks whose calls take different kernels (their token counts or modes
-        differ) then compile the same ones at their first call, instead of one rank compiling a kernel its
-        peers have while they wait for it, past timeout_s on a cold compile cache. With puts, once per
-        specialization, so that a CUDA graph captured later compiles none: their modules link NVSHMEM, which
-        cannot initialize one while a stream is being captured; without, once per ids dtype (a launch
-        compiles any other specialization itself, as it may inside a capture)."""
+    def _ready_dispatch(self, slot: int, topk_ids, values: tuple) -> None:
+        """Before an eager dispatch of these send `values` (``_send_values``, `topk_ids` among them): compile
+        every dispatch kernel of `slot` for inputs like these (both tiles, one launch and two), once. Ranks
+        whose calls take different kernels (their token counts or modes differ) then compile the same ones at
+        their first call, instead of one rank compiling a kernel its peers have while they wait for it, past
+        timeout_s on a cold compile cache. With puts, once per specialization, so that a CUDA graph captured
+        later compiles none: their modules link NVSHMEM, which cannot initialize one while a stream is being
+        captured; without, once per ids dtype (a launch compiles any other specialization itself, as it may
+        inside a capture)."""
         key = ("dispatch", slot, topk_ids.dtype)
         if not self.remote and key in self._ready:          # the common case: nothing more to build
             return
-        values = self._send_values(x, topk_ids, topk_weights, call, tensor_scale)
         if self.remote:
             key = ("dispatch", slot, self._dispatch_send[slot].key(values))
-        if key in self._ready or capturing(self.device):
+        if key in self._ready or capturing(self.cuda):
             return
         sends = [self._dispatch_send[slot], self._prefill[0][slot]]
         if self.one_launch:
@@ -373,7 +376,7 @@ class KernelProtocol(EPProtocol):
     def _ready_combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> None:
         """With puts, before an eager combine without a hook: its send and receive kernels compiled too
         (``_ready_dispatch``)."""
-        if capturing(self.device):
+        if capturing(self.cuda):
             return
         receive = (out, topk_ids, num_tokens)
         key = ("combine", slot, dispatch_slot, self._combine_send[slot, dispatch_slot].key((expert_out,)),
@@ -387,13 +390,15 @@ class KernelProtocol(EPProtocol):
     def dispatch(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
         """Both phases of a dispatch, for a call without a receive hook: in one launch with the decode
         tiles (with `one_launch`), otherwise as a send and a receive kernel."""
-        self._ready_dispatch(slot, x, topk_ids, topk_weights, call, tensor_scale)
-        prefill = self._prefill_tiles(x.shape[0], mode)
+        tokens = x.shape[0]
+        values = self._send_values(x, topk_ids, topk_weights, tokens, call, tensor_scale)
+        self._ready_dispatch(slot, topk_ids, values)
+        prefill = self._prefill_tiles(tokens, mode)
         if self.one_launch and not prefill:
             self.reset_stamps("dispatch")
-            self._dispatch[slot](*self._send_values(x, topk_ids, topk_weights, call, tensor_scale))
+            self._dispatch[slot](*values)
             return
-        self._send(slot, x, topk_ids, topk_weights, call, prefill, tensor_scale)
+        self._send(slot, tokens, values, prefill)
         self.dispatch_recv(slot)
 
     def combine(self, slot: int, dispatch_slot: int, expert_out, out, topk_ids, num_tokens: int) -> torch.Tensor:
@@ -413,18 +418,19 @@ class KernelProtocol(EPProtocol):
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
         """The send kernel of `mode`'s tiles; dispatch_recv(slot) launches the receive kernel of the same."""
-        self._ready_dispatch(slot, x, topk_ids, topk_weights, call, tensor_scale)
-        self._send(slot, x, topk_ids, topk_weights, call, self._prefill_tiles(x.shape[0], mode), tensor_scale)
+        tokens = x.shape[0]
+        values = self._send_values(x, topk_ids, topk_weights, tokens, call, tensor_scale)
+        self._ready_dispatch(slot, topk_ids, values)
+        self._send(slot, tokens, values, self._prefill_tiles(tokens, mode))
 
-    def _send(self, slot: int, x, topk_ids, topk_weights, call: int, prefill: bool, tensor_scale) -> None:
-        """Dispatch's send kernel with the prefill tiles or the decode tiles, its receive kernel kept for
-        dispatch_recv(slot)."""
+    def _send(self, slot: int, tokens: int, values: tuple, prefill: bool) -> None:
+        """Dispatch's send kernel of a call of `tokens` tokens with these `values` (``_send_values``), with the
+        prefill tiles or the decode tiles, its receive kernel kept for dispatch_recv(slot)."""
         self.reset_stamps("dispatch")
-        shape = self._shape(x.shape[0])
+        shape = self._shape(tokens)
         send, recv = self._prefill if prefill else (self._dispatch_send, self._dispatch_recv)
         self._receivers[slot] = recv[slot]
-        send[slot](*self._send_values(x, topk_ids, topk_weights, call, tensor_scale),
-                   programs=shape.prefill_send if prefill else shape.send)
+        send[slot](*values, programs=shape.prefill_send if prefill else shape.send)
 
     def dispatch_recv(self, slot: int) -> None:
         self._receivers[slot]()
@@ -436,7 +442,7 @@ class KernelProtocol(EPProtocol):
         tiles were the faster at every size measured (16 to 4096 tokens, one H200: benchmarks/NOTES.md)."""
         if mode != "auto":
             return mode == "prefill"
-        return tokens > self.one_launch_tokens or capturing(self.device)
+        return tokens > self.one_launch_tokens or capturing(self.cuda)
 
     def combine_send(self, slot: int, dispatch_slot: int, expert_out) -> None:
         self.reset_stamps("combine")
