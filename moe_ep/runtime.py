@@ -4,8 +4,9 @@ One process owns one NVSHMEM processing element (PE) on one GPU; PE numbers equa
 the process group NVSHMEM was started on (the default group unless the first object that starts
 it names another). A job may run more ranks than GPUs (shared-GPU mode: rank r on GPU r % GPUs,
 gloo for the host group, CUDA MPS underneath; ``moe_ep.mps``). Everything here is host code and
-imports nothing else from the package but ``mps`` (standard library only) and ``refusals`` (torch.distributed
-and ``collectives``, its collectives for tensors on any device).
+imports nothing else from the package but ``mps`` (standard library only), ``refusals`` (torch.distributed
+and ``collectives``, its collectives for tensors on any device) and ``nvshmem_library`` (Triton's LLVM
+bindings).
 
     import torch.distributed as dist
     from moe_ep import runtime
@@ -464,10 +465,23 @@ def put_on_stream(dst: torch.Tensor, src: torch.Tensor, pe: int, stream: torch.c
                               stream.cuda_stream)
 
 
+_libraries: dict[str, str] = {}       # NVSHMEM's device bitcode -> what kernels link (``device_library``)
+
+
 def device_library() -> dict[str, str]:
-    """``extern_libs`` for kernels that call ``moe_ep.shmem`` device functions."""
+    """``extern_libs`` for kernels that call ``moe_ep.shmem`` device functions: NVSHMEM's device bitcode cut to
+    the functions moe_ep.shmem calls (``nvshmem_library.pruned``: the same cubins, without parsing 31 MB of
+    bitcode on every compile), or the whole bitcode where it cannot be cut."""
     core, _ = _nvshmem()
-    return {"libnvshmem_device": core.find_device_bitcode_library()}
+    library = core.find_device_bitcode_library()
+    if library not in _libraries:
+        from .nvshmem_library import pruned
+        try:
+            _libraries[library] = pruned(library)
+        except Exception as e:      # noqa: BLE001 (any failure: link the whole library, as before)
+            warnings.warn(f"linking all of {library}: it could not be cut to moe_ep.shmem's functions ({e!r})")
+            _libraries[library] = library
+    return {"libnvshmem_device": _libraries[library]}
 
 
 # -- module init for kernels that link NVSHMEM -------------------------------------------------------

@@ -328,6 +328,68 @@ def test_crossover_is_the_largest_size_where_decode_wins():
     assert crossover_tokens(sizes, [15.0, 16.0, 18.0, 30.0], [15.0, 12.0, 14.0, 16.0]) == 0     # a tie: prefill
 
 
+def test_device_functions_name_every_nvshmem_call():
+    """nvshmem_library.DEVICE_FUNCTIONS (what the pruned device library keeps) names every NVSHMEM function
+    moe_ep.shmem calls: a kernel calling one it lacks would not link."""
+    import re
+    from moe_ep import nvshmem_library, shmem
+    with open(shmem.__file__) as f:
+        called = set(re.findall(r'"(nvshmemx?_[a-z0-9_]+)"', f.read()))
+    assert called == set(nvshmem_library.DEVICE_FUNCTIONS)
+
+
+def test_pruned_library_keeps_what_the_functions_use(tmp_path):
+    """prune keeps the named functions (external, so that a kernel links them), the functions and globals they
+    use, and nothing else; the pruned library prunes to itself."""
+    from moe_ep.nvshmem_library import prune
+    library = tmp_path / "lib.ll"
+    library.write_text("""@state = global i32 7
+@other = global i32 8
+define i32 @helper() {
+  %v = load i32, ptr @state
+  ret i32 %v
+}
+define i32 @nvshmem_my_pe() {
+  %v = call i32 @helper()
+  ret i32 %v
+}
+define i32 @unused() {
+  %v = load i32, ptr @other
+  ret i32 %v
+}
+""")
+    prune(str(library), str(tmp_path / "pruned.ll"), functions=("nvshmem_my_pe",))
+    text = (tmp_path / "pruned.ll").read_text()
+    assert "define i32 @nvshmem_my_pe()" in text and "@helper()" in text and "@state = " in text
+    assert "@unused" not in text and "@other" not in text
+    prune(str(tmp_path / "pruned.ll"), str(tmp_path / "again.ll"), functions=("nvshmem_my_pe",))
+    assert (tmp_path / "again.ll").read_text().split("\n")[1:] == text.split("\n")[1:]   # but the module's name
+
+
+def _alignments(kernel) -> tuple:
+    """What Triton specializes a bound kernel's fixed tensor arguments on: whether each is 16-byte aligned."""
+    return tuple((name, value.data_ptr() % 16 == 0) for name, value in sorted(kernel.fixed.items())
+                 if isinstance(value, torch.Tensor))
+
+
+@pytest.mark.parametrize("world, tokens, topk, puts", [(2, 16, 8, "auto"), (2, 5, 6, "all"), (3, 3, 8, "auto"),
+                                                       (4, 64, 8, "all")])
+def test_slots_bind_alike(world, tokens, topk, puts):
+    """Each kernel is bound per slot (and per dispatch slot) to pointers of the same 16-byte alignment, so the
+    slots share a compiled kernel: slot blocks of the layout scratch ([S, 2 + C * E] int32), of kept_tokens
+    ([S, W]), lost_experts ([S, T, K] int8), ... that are not multiples of 16 bytes once gave slot 1 kernels of
+    their own, every dispatch kernel compiled twice (benchmarks/NOTES.md, "Compile time of the EP kernels")."""
+    p = EPAllToAll.simulated(world, tokens, 256, 8 * world, topk, puts=puts)[0].protocol
+    bound = [p._dispatch_send, p._dispatch_recv, *p._prefill, p._dispatch]
+    bound += [[table[s, ds] for s in range(p.slots) for ds in range(p.slots)]
+              for table in (p._combine_send, p._combine_recv, p._combine)]
+    for kernels in bound:
+        assert len({_alignments(kernel) for kernel in kernels}) == 1, kernels[0].fn.__name__
+    layout = p.dispatch_buffers.layout
+    assert layout.stride(0) * 4 % 16 == 0 and layout.shape == (p.slots, 2 + 8 * world)
+    assert all(p.dispatch_buffers.kept_tokens[s].is_contiguous() for s in range(p.slots))
+
+
 def test_send_grids_follow_the_call():
     """An object for 1024 tokens (H 256: one work item a token, top-4 of 16 experts: 4096 ids, so its layout
     sorts chunks of 1024 ids) on 4 SMs. A call whose ids fit one chunk compares them, a program an expert,

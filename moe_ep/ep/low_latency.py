@@ -6,6 +6,7 @@ dispatch kernels are bound a second time with larger work items ("prefill" tiles
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -125,9 +126,29 @@ class CombineBuffers:
     out: torch.Tensor          # [S, T, H] dtype, local: combine's results (y is a view unless out= is given)
 
 
+# Triton specializes a pointer argument on whether it is a multiple of 16 bytes. The kernels are bound per slot to
+# each slot's block of the local buffers (buffer[slot]), so a buffer whose slot blocks are not a multiple of 16 bytes
+# long gave slot 1 kernels of their own: every dispatch kernel compiled twice (the layout scratch, [S, 2 + C * E]
+# int32), at 2 ranks the receive and combine kernels too (kept_tokens, [S, W] int32); on a CPU machine with triton
+# 3.6 (scripts/ep_compile_times.py, benchmarks/NOTES.md) 3 to 7 s a variant. Their slot blocks start 16 bytes apart.
+SLOT_ALIGN = 16
+
+
+def slot_blocks(local, shape, dtype: torch.dtype) -> torch.Tensor:
+    """local(shape, dtype) for a per-slot buffer [S, ...], its slot blocks a multiple of SLOT_ALIGN bytes apart:
+    where they would not be, a view of a padded [S, n] buffer (each block contiguous, the same values)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    block = math.prod(shape[1:])
+    stride = -(-block * size // SLOT_ALIGN) * SLOT_ALIGN // size
+    if stride == block:
+        return local(shape, dtype)
+    return local((shape[0], stride), dtype)[:, :block].view(shape)
+
+
 def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffers:
     """DispatchBuffers for `config`: the peer-table rows (kernels.DISPATCH_PEERS) from
-    symmetric_zeros(shape, dtype), the others from local(shape, dtype)."""
+    symmetric_zeros(shape, dtype), the others (each slot's block 16-byte aligned: slot_blocks) from local(shape,
+    dtype)."""
     S, W, T, H, K, E, EL, G = (SLOTS, config.world, config.max_tokens, config.hidden, config.topk,
                                config.num_experts, config.experts_per_rank, config.groups)
     C, P = layout_chunks(config), config.payload
@@ -142,9 +163,8 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffer
     dtypes = {"data": config.payload_dtype, "scales": scale, "weights": f32, "arrived": i64, "freed": i64,
               "recv_x": config.payload_dtype, "recv_scales": scale, "kept_weights": f32}
     buffers = DispatchBuffers(**{
-        f.name: (symmetric_zeros if f.name in kernels.DISPATCH_PEERS else local)(shapes[f.name],
-                                                                                 dtypes.get(f.name, torch.int32))
-        for f in fields(DispatchBuffers)})
+        f.name: symmetric_zeros(shapes[f.name], dtypes.get(f.name, torch.int32)) if f.name in kernels.DISPATCH_PEERS
+        else slot_blocks(local, shapes[f.name], dtypes.get(f.name, torch.int32)) for f in fields(DispatchBuffers)})
     buffers.layout[:, kernels.LAYOUT_FIRST_BAD.value] = kernels.NO_BAD_ID.value
     return buffers
 
@@ -261,9 +281,9 @@ class LowLatency(KernelProtocol):
         self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
                                               arrived=symmetric_zeros((S, W), torch.int64),
                                               freed=symmetric_zeros((S, W), torch.int64),
-                                              out=self.local((S, T, H), config.dtype))
+                                              out=slot_blocks(self.local, (S, T, H), config.dtype))
         self.live = symmetric_zeros((W,), torch.int32).fill_(1)
-        self.lost_experts = self.local((S, T, config.topk), torch.int8)
+        self.lost_experts = slot_blocks(self.local, (S, T, config.topk), torch.int8)
         if self.puts:
             self.puts.allocate(symmetric_zeros, {"dispatch": self.dispatch_buffers, "combine": self.combine_buffers})
             self.remote, self.echo_addr = self.puts.bits, self.puts.echo.data_ptr()
