@@ -167,3 +167,20 @@ class BoundKernel:
             raise RuntimeError(f"{self.fn.__name__} does not fit on an SM ({compiled.n_regs} registers a thread, "
                                f"{compiled.metadata.shared} bytes of shared memory)")
         return compiled, min(self.grid, max(per_sm * self.resident_on, self.fewest))
+
+
+_SHARED: dict[tuple, BoundKernel] = {}
+
+
+def shared_kernel(fn: triton.JITFunction, grid: int, varying: Sequence[str], **arguments) -> BoundKernel:
+    """The BoundKernel of `fn` on `grid` with these fixed `arguments` (compile-time values and options: ints,
+    bools, strings, None; no tensors) on the current GPU, made at its first use and kept for the process:
+    for a free function (a grouped GEMM) whose launches vary in their tensors and a few ints, with no object
+    of its own to keep its kernels in. Its lookup (a key of the arguments, one dict read) is a fraction of
+    the binding and specialization a plain ``fn[grid](...)`` repeats every launch."""
+    device = None if INTERPRETING else torch.cuda.current_device()
+    key = (fn, grid, device, *varying, *arguments.items())
+    kernel = _SHARED.get(key)
+    if kernel is None:
+        kernel = _SHARED[key] = BoundKernel(fn, grid, varying, **arguments)
+    return kernel

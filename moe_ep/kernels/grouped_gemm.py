@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launcher import shared_kernel
 from .matmul import describable, descriptor
 from .quant import (cast_rn, dequantize_rows_fp8, dequantize_weights_fp8, fp8_quantize_groups,
                     quantize_rows_fp8, to_fp8)
@@ -89,6 +90,12 @@ DECODE_ROWS = 64          # expected rows per expert up to which one 64-row tile
 STAGE_MEMORY = 192 * 1024
 ACTIVATION_ROWS = 16      # rows a program of gated_activation_kernel takes (16 x 128 columns: 4 KB of gate)
 INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any small number will do
+# The arguments that change between launches (``launcher.shared_kernel``; the rest are compile-time);
+# the descriptors only on the TMA variants, which take them.
+GEMM_VARYING = ("a_ptr", "scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "counts_ptr", "rows", "packed_rows",
+                "experts")
+DESCRIPTORS = ("a_desc", "w_desc")
+ACTIVATION_VARYING = ("gate_up_ptr", "out_ptr", "scale_ptr", "counts_ptr", "rows", "packed_rows", "experts")
 # How operands are loaded (see the module docstring); FLATTEN: the tile loop and the K loop pipelined as
 # one (the next tile's loads start during this tile's last steps). The defaults, by the weights' dtype:
 # flattened for bf16 (see TILE_CONFIGS), not for FP8 weights (15-40% slower flattened).
@@ -200,13 +207,16 @@ def gated_activation_kernel(gate_up_ptr, out_ptr, scale_ptr, counts_ptr, rows, p
 
     gate_up: [packed_rows, 2I]; out: [packed_rows, I] in its dtype or, QUANTIZE, FP8 with scale
     [packed_rows, I / BLOCK_C] f32 (``fp8_quantize_groups``: BLOCK_C is the group). Counts are clamped
-    to [0, rows] as the GEMMs clamp them; a program whose rows all lie past them does nothing."""
+    to [0, rows] as the GEMMs clamp them; a program whose rows all lie past them does nothing. Program p
+    takes rows BLOCK_R * (p // cdiv(I, BLOCK_C)) on and columns BLOCK_C * (p % cdiv(I, BLOCK_C)) on."""
     e = tl.arange(0, E_PAD)
     total = tl.minimum(tl.sum(tl.minimum(tl.maximum(tl.load(counts_ptr + e, mask=e < experts, other=0), 0), rows)),
                        packed_rows)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if tl.program_id(0) * BLOCK_R < total:
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    column_blocks: tl.constexpr = (I + BLOCK_C - 1) // BLOCK_C
+    row_block, column_block = tl.program_id(0) // column_blocks, tl.program_id(0) % column_blocks
+    r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    if row_block * BLOCK_R < total:
+        c = column_block * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (r < total)[:, None] & (c < I)[None, :]
         row = r.to(tl.int64)[:, None] * (2 * I)
         gate = tl.load(gate_up_ptr + row + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -214,7 +224,7 @@ def gated_activation_kernel(gate_up_ptr, out_ptr, scale_ptr, counts_ptr, rows, p
         h = _activation(gate, ACTIVATION) * up
         if QUANTIZE:
             h, scale = fp8_quantize_groups(h)
-            tl.store(scale_ptr + r.to(tl.int64) * (I // BLOCK_C) + tl.program_id(1), scale, mask=r < total)
+            tl.store(scale_ptr + r.to(tl.int64) * (I // BLOCK_C) + column_block, scale, mask=r < total)
             h = to_fp8(h)
         else:
             h = cast_rn(h, out_ptr.dtype.element_ty)
@@ -297,21 +307,21 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     programs_per_sm = config.pop("programs_per_sm")
     tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
     programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
-    grid = (max(1, min(programs, tiles)),)
-    a_desc = w_desc = None
+    grid = max(1, min(programs, tiles))
     if variant is None:
         variant = DEFAULT_VARIANTS["fp8" if fp8_weights else "bf16"]
         if not (describable(a.view(-1, k)) and describable(w.view(-1, k))):
             variant = "pointer"
+    descriptors = ()
     if VARIANTS[variant]["TMA"]:
-        a_desc = descriptor(a.view(-1, k), [config["BLOCK_M"], config["BLOCK_K"]])
-        w_desc = descriptor(w.view(-1, k), [config["BLOCK_N"], config["BLOCK_K"]])
-    grouped_gemm_kernel[grid](a_ptr=a, scale_ptr=scales if fp8 else a, w_ptr=w,
-                              w_scale_ptr=w_scales if fp8_weights else w, out_ptr=out, counts_ptr=counts,
-                              a_desc=a_desc, w_desc=w_desc, rows=rows, packed_rows=packed_rows, experts=experts,
-                              K=k, N=n, FP8=fp8, W_FP8=fp8_weights, GROUP=group, A_PACKED=a.dim() == 2,
-                              OUT_PACKED=out.dim() == 2, E_PAD=_e_pad(experts),
-                              EVEN_K=k % config["BLOCK_K"] == 0, **VARIANTS[variant], **config)
+        descriptors = (descriptor(a.view(-1, k), [config["BLOCK_M"], config["BLOCK_K"]]),
+                       descriptor(w.view(-1, k), [config["BLOCK_N"], config["BLOCK_K"]]))
+    kernel = shared_kernel(grouped_gemm_kernel, grid, GEMM_VARYING + DESCRIPTORS[:len(descriptors)],
+                           **dict.fromkeys(DESCRIPTORS[len(descriptors):]), K=k, N=n, FP8=fp8, W_FP8=fp8_weights,
+                           GROUP=group, A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2, E_PAD=_e_pad(experts),
+                           EVEN_K=k % config["BLOCK_K"] == 0, **VARIANTS[variant], **config)
+    kernel(a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows, packed_rows, experts,
+           *descriptors)
     return out
 
 
@@ -333,10 +343,10 @@ def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, act
                          device=gate_up.device)
     block_c = group if quantize else min(128, triton.next_power_of_2(inter))
     if packed_rows and inter:
-        grid = (triton.cdiv(packed_rows, ACTIVATION_ROWS), triton.cdiv(inter, block_c))
-        gated_activation_kernel[grid](gate_up, h, scales, counts, rows, packed_rows, len(counts), I=inter,
-                                      ACTIVATION=activation, QUANTIZE=quantize, E_PAD=_e_pad(len(counts)),
-                                      BLOCK_R=ACTIVATION_ROWS, BLOCK_C=block_c)
+        grid = triton.cdiv(packed_rows, ACTIVATION_ROWS) * triton.cdiv(inter, block_c)
+        kernel = shared_kernel(gated_activation_kernel, grid, ACTIVATION_VARYING, I=inter, ACTIVATION=activation,
+                               QUANTIZE=quantize, E_PAD=_e_pad(len(counts)), BLOCK_R=ACTIVATION_ROWS, BLOCK_C=block_c)
+        kernel(gate_up, h, scales, counts, rows, packed_rows, len(counts))
     return (h, scales) if quantize else h
 
 
