@@ -7,9 +7,8 @@
 #             mode on one GPU; elastic EP's at 4), the sweeps at a reduced size, and the one-GPU benchmarks
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
 #             two model shapes at their decode and prefill rows). On one H200 with a warm compile cache (see
-#             below) the test lanes end at about 320 s and bench_all_to_all takes 111 s; the MoE-layer and
-#             grouped-GEMM benchmarks after them (29 and 17 s warm on 2026-11-24) were past the 490 s the last
-#             run had (benchmarks/NOTES.md, "The gate runs of 2026-11-26, afternoon").
+#             below) the test lanes end at 290-310 s and the three benchmarks take 70-80 s: 400-432 s in all
+#             (benchmarks/NOTES.md, "The gate runs of 2026-11-27, early").
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
@@ -203,7 +202,8 @@ for part in $parts; do
       # DeepEP's build on the CPUs beside them. The lanes ran 360 s on 4 x H200 from a one-GPU cache, the TP
       # lane longest (benchmarks/NOTES.md, "The gate runs of 2026-11-26, afternoon" and "evening"); in the
       # night's run the two EP-call lanes passed 300 s there before their last test (147 and 135 s alone with
-      # the cache that run left), so their limits are 420 s. The benchmarks are multi_bench, run after it.
+      # the cache that run left), so their limits are 420 s; with the put path's faster compiles the next run
+      # ended in 381 s, DeepEP's build and benchmark included. The benchmarks are multi_bench, run after it.
       if (( gpus < 2 )); then skip multi "one GPU: multi needs a GPU a rank (quick runs shared-GPU mode)"; continue; fi
       deepep_build lane
       lane multi_ep 300 env MOE_EP_TEST_WORLDS=$gpus MOE_EP_TEST_QUICK=1 python3 -m pytest -q -rs --durations=8 -m gpu \
