@@ -9,8 +9,8 @@ the GPU only (one GPU is enough: those cases are skipped on CPU, not marked `gpu
 import pytest
 import torch
 
-from moe_ep.kernels.grouped_gemm import (ACTIVATIONS, TILE_CANDIDATES, VARIANTS, gated_activation, gated_mlp,
-                                         grouped_gemm, grouped_gemm_reference)
+from moe_ep.kernels.grouped_gemm import (ACTIVATIONS, TILE_CANDIDATES, VARIANTS, GatedMLP, gated_activation,
+                                         gated_mlp, grouped_gemm, grouped_gemm_reference)
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.reference import dequantize_fp8, quantize_fp8
 
@@ -108,6 +108,43 @@ def test_gated_activation(activation, quantize):
         gated_activation(gate_up, counts, rows, "relu")
     with pytest.raises(ValueError, match="gate_up"):
         gated_activation(gate_up[:, :100], counts, rows, activation, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("fp8", ["rows", "rows and weights", None])
+def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
+    """GatedMLP, planned once on x, the weights and counts, gives gated_mlp's kernels' result bit for bit at
+    every call, from what x and counts hold then (new rows written into x, new counts, one expert empty);
+    it keeps none of the tensors it makes; bad operands and a callable activation are refused."""
+    experts, rows, hidden, inter = 3, 12, 128, 128
+    x, w13, counts = _inputs(experts, rows, hidden, 2 * inter, [5, 0, 12], torch.float32)
+    w2 = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
+    scales = w13_scales = w2_scales = None
+    if fp8:
+        q, scales = quantize_fp8(x.view(-1, hidden).cpu(), 128)
+        x, scales = q.view(experts, rows, hidden).to(DEVICE), scales.view(experts, rows, 1).to(DEVICE)
+    if fp8 == "rows and weights":
+        (w13, w13_scales), (w2, w2_scales) = quantize_weights_fp8(w13), quantize_weights_fp8(w2)
+    weights = dict(w13_scales=w13_scales, w2_scales=w2_scales)
+    planned = GatedMLP(x, w13, w2, counts, scales, packed_rows=20, rows_per_expert=4, **weights)
+    g = torch.Generator().manual_seed(3)
+    for new_counts in ([5, 0, 12], [1, 7, 0], [12, 4, 3]):
+        counts.copy_(torch.tensor(new_counts, dtype=torch.int32))
+        x.copy_(torch.randn(x.shape, generator=g).to(x.dtype))
+        out = planned()
+        expected = gated_mlp(x, w13, w2, counts, scales, packed_rows=20, rows_per_expert=4, kernels=True, **weights)
+        for e, count in enumerate(new_counts):
+            assert torch.equal(out[e, :count], expected[e, :count])
+    kept = {t.data_ptr() for t in (x, w13, w2, counts, scales, w13_scales, w2_scales) if t is not None}
+    for _, values in (planned._up, planned._act, planned._down):
+        for value in values:
+            base = getattr(value, "base", value)          # a descriptor's: the tensor it describes
+            assert not isinstance(base, torch.Tensor) or base.data_ptr() in kept
+    with pytest.raises(ValueError, match="activation"):
+        GatedMLP(x, w13, w2, counts, scales, activation=torch.tanh, **weights)
+    with pytest.raises(ValueError, match="counts"):
+        GatedMLP(x, w13, w2, counts[:2], scales, **weights)
+    with pytest.raises(ValueError, match=r"x must be \[E, R, H\]"):
+        GatedMLP(x[0], w13, w2, counts, scales, **weights)
 
 
 @pytest.mark.parametrize("activation", ["silu", torch.tanh])

@@ -295,6 +295,19 @@ def _experts_on_kernels(rank, world):
                 assert error < bound, f"{activation}, fp8_experts={fp8_experts}, expert {e}: relative error {error:.3g}"
         error = ((expected - exact).norm() / exact.norm()).item()
         assert error < (0.1 if fp8_experts else 1e-6), f"fp8_experts={fp8_experts}: relative error {error:.3g}"
+        if isinstance(activation, str):    # the kernels planned at the first call (GatedMLP), run on what
+            plan = layer._plans.copy()     # the same buffers hold at the next
+            recv_x.copy_(torch.randn(recv_x.shape, generator=g))
+            counts.copy_(counts.flip(0))
+            out = layer.run_experts(recv_x, None, counts, 3.0, kernels=True)
+            assert len(plan) == 1 and layer._plans == plan
+            expected = layer.run_experts(recv_x, None, counts, kernels=False)
+            for e, count in enumerate(counts.tolist()):
+                if count:
+                    error = ((out[e, :count] - expected[e, :count]).norm() / expected[e, :count].norm()).item()
+                    assert error < (2e-2 if fp8_experts and device == "cuda" else tol), f"second call, expert {e}"
+            layer.quantize_experts()       # new FP8 weights: the plans on the old ones go
+            assert not layer._plans
 
 
 def test_experts_on_kernels_match_torch():

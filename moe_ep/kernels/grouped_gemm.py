@@ -5,7 +5,9 @@
 w is [E, N, K] (nn.Linear's layout). a is bf16/fp16/fp32, or FP8 e4m3 with per-row, per-`group`-column
 fp32 scales. ``gated_mlp`` runs an MoE layer's experts on them: the gate_up GEMM (w13: the gate rows
 first, then the up rows, as transformers stores ``gate_up_proj``), act(gate) * up in a kernel of its
-own (``gated_activation``), the down GEMM.
+own (``gated_activation``), the down GEMM. ``GatedMLP`` makes gated_mlp's checks, tile choices and
+operand descriptors once for operands that stay (an MoE layer's weights and receive buffers), so that
+each of its calls is three launches.
 
 With weights in the dtype of the rows the GEMM runs in that dtype, and FP8 rows are dequantized
 as a tile is loaded. With FP8 weights (``quant.quantize_weights_fp8``: one scale per
@@ -94,6 +96,7 @@ INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one after another: any
 # the descriptors only on the TMA variants, which take them.
 GEMM_VARYING = ("a_ptr", "scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "counts_ptr", "rows", "packed_rows",
                 "experts")
+OUT, A_DESC = GEMM_VARYING.index("out_ptr"), len(GEMM_VARYING)   # out's place and a_desc's (TMA) in a launch's values
 DESCRIPTORS = ("a_desc", "w_desc")
 ACTIVATION_VARYING = ("gate_up_ptr", "out_ptr", "scale_ptr", "counts_ptr", "rows", "packed_rows", "experts")
 # How operands are loaded (see the module docstring); FLATTEN: the tile loop and the K loop pipelined as
@@ -265,6 +268,16 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     shapes (default: the capacity R). Returns out; rows past the counts keep what out held. A packed
     side must hold sum(counts) rows (rows past its end are skipped).
     """
+    kernel, values = _gemm_launch(a, w, counts, scales, group, out, packed_rows, rows_per_expert, w_scales, tiles,
+                                  variant)
+    kernel(*values)
+    return values[OUT]
+
+
+def _gemm_launch(a, w, counts, scales=None, group=128, out=None, packed_rows=None, rows_per_expert=None,
+                 w_scales=None, tiles=None, variant=None):
+    """grouped_gemm's checks (ValueError) and choices for these operands: its kernel (a shared BoundKernel)
+    and the values it launches with, GEMM_VARYING's then the descriptors (out, made if not given, at OUT)."""
     experts = w.shape[0] if w.dim() == 3 else None
     if experts is None or w.shape[2] != a.shape[-1]:
         raise ValueError(f"w must be [E, N, {a.shape[-1]}], got {tuple(w.shape)}")
@@ -321,9 +334,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
                            **dict.fromkeys(DESCRIPTORS[len(descriptors):]), K=k, N=n, FP8=fp8, W_FP8=fp8_weights,
                            GROUP=group, A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2, E_PAD=_e_pad(experts),
                            EVEN_K=k % config["BLOCK_K"] == 0, **VARIANTS[variant], **config)
-    kernel(a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows, packed_rows, experts,
-           *descriptors)
-    return out
+    return kernel, [a, scales if fp8 else a, w, w_scales if fp8_weights else w, out, counts, rows, packed_rows,
+                    experts, *descriptors]
 
 
 def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, activation: str,
@@ -332,6 +344,16 @@ def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, act
     clamped to [0, rows] as the grouped GEMM clamps them), computed in fp32: [P, I] in out_dtype
     (default gate_up's) or, out_dtype FP8 e4m3, (h [P, I] FP8, scales [P, I / group] f32) quantized
     per row and `group` columns with dispatch's formula. Rows past sum(counts) are left unwritten."""
+    kernel, values = _activation_launch(gate_up, counts, rows, activation, out_dtype, group)
+    if kernel is not None:
+        kernel(*values)
+    h, scales = values[1:3]
+    return (h, scales) if out_dtype == torch.float8_e4m3fn else h
+
+
+def _activation_launch(gate_up, counts, rows, activation, out_dtype, group):
+    """gated_activation's checks (ValueError) and its launch: the kernel (None where there is nothing to
+    compute) and its ACTIVATION_VARYING values, h and its scales made here."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     packed_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -343,12 +365,12 @@ def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, act
     scales = torch.empty((packed_rows, inter // group if quantize else 0), dtype=torch.float32,
                          device=gate_up.device)
     block_c = group if quantize else min(128, next_power_of_2(inter))
+    kernel = None
     if packed_rows and inter:
         grid = cdiv(packed_rows, ACTIVATION_ROWS) * cdiv(inter, block_c)
         kernel = shared_kernel(gated_activation_kernel, grid, ACTIVATION_VARYING, I=inter, ACTIVATION=activation,
                                QUANTIZE=quantize, E_PAD=_e_pad(len(counts)), BLOCK_R=ACTIVATION_ROWS, BLOCK_C=block_c)
-        kernel(gate_up, h, scales, counts, rows, packed_rows, len(counts))
-    return (h, scales) if quantize else h
+    return kernel, [gate_up, h, scales, counts, rows, packed_rows, len(counts)]
 
 
 def _e_pad(experts: int) -> int:
@@ -434,3 +456,66 @@ def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torc
     if out is None:
         out = torch.empty((experts, rows, w2.shape[1]), dtype=dtype, device=x.device)
     return grouped_gemm(h, w2, scales=h_scales, group=WEIGHT_BLOCK.value, out=out, w_scales=w2_scales, **gemm)
+
+
+class GatedMLP:
+    """gated_mlp with kernels on operands that stay: an MoE layer's weights and one slot of its all-to-all's
+    receive buffers. The checks, tile choices and kernels of its three launches, and the descriptors of x
+    and the weights, are made once, here; a call makes the intermediates and the output and launches:
+
+        experts = GatedMLP(x, w13, w2, counts, scales, rows_per_expert=8)   # ValueError for bad operands
+        out = experts()          # gated_mlp(x, w13, w2, counts, scales, ..., kernels=True), for the
+        out = experts()          # counts and rows x holds at each call
+
+    The arguments are gated_mlp's (activation by name only: a callable runs in torch). At decode sizes a
+    call's host time is the layer's eager time (benchmarks/NOTES.md), and gated_mlp spends most of it
+    checking and describing operands that did not change. An object holds x, the weights, their scales and
+    counts (not the intermediates or the output): drop it with the buffers it was made on."""
+
+    def __init__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                 scales: torch.Tensor | None = None, group: int = 128, activation: str = "silu",
+                 w13_scales: torch.Tensor | None = None, w2_scales: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, packed_rows: int | None = None,
+                 rows_per_expert: float | None = None):
+        if x.dim() != 3:
+            raise ValueError(f"x must be [E, R, H], got {tuple(x.shape)}")
+        experts, rows, _ = x.shape
+        dtype = out_dtype or (torch.bfloat16 if w13.dtype == torch.float8_e4m3fn else w13.dtype)
+        packed_rows = experts * rows if packed_rows is None else packed_rows
+        gate_up = torch.empty((packed_rows, w13.shape[1]), dtype=dtype, device=x.device)
+        self._up = _gemm_launch(x, w13, counts, scales, group, out=gate_up, rows_per_expert=rows_per_expert,
+                                w_scales=w13_scales)
+        fp8_rows = w2.dtype == torch.float8_e4m3fn        # the down GEMM's FP8 dots take FP8 rows
+        self._act = _activation_launch(gate_up, counts, rows, activation, torch.float8_e4m3fn if fp8_rows else None,
+                                       WEIGHT_BLOCK.value)
+        h, h_scales = self._act[1][1:3]
+        out = torch.empty((experts, rows, w2.shape[1]), dtype=dtype, device=x.device)
+        self._down = _gemm_launch(h, w2, counts, h_scales if fp8_rows else None, WEIGHT_BLOCK.value, out=out,
+                                  rows_per_expert=rows_per_expert, w_scales=w2_scales)
+        self._made = [(t.shape, t.dtype) for t in (gate_up, h, h_scales, out)]
+        self._fp8_rows = fp8_rows
+        tma = len(self._down[1]) > A_DESC
+        self._h_block = self._down[1][A_DESC].block_shape if tma else None
+        for values, made in ((self._up[1], (OUT,)), (self._act[1], (0, 1, 2)),
+                             (self._down[1], (0, 1, OUT, A_DESC) if tma else (0, 1, OUT))):
+            for i in made:
+                values[i] = None               # made at every call: no memory kept between calls
+
+    def __call__(self) -> torch.Tensor:
+        """The experts' output [E, R, H] (rows past the counts unwritten), from what x and counts hold now."""
+        device = self._up[1][0].device
+        gate_up, h, h_scales, out = (torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._made)
+        up_kernel, up = self._up
+        up = up.copy()
+        up[OUT] = gate_up
+        up_kernel(*up)
+        act_kernel, act = self._act
+        if act_kernel is not None:
+            act_kernel(gate_up, h, h_scales, *act[3:])
+        down_kernel, down = self._down
+        down = down.copy()
+        down[0], down[1], down[OUT] = h, h_scales if self._fp8_rows else h, out
+        if self._h_block is not None:
+            down[A_DESC] = descriptor(h, self._h_block)
+        down_kernel(*down)
+        return out

@@ -32,8 +32,11 @@ from torch import nn
 
 from .. import runtime
 from ..ep import EPAllToAll, check_config
-from ..kernels.grouped_gemm import ACTIVATIONS, WEIGHT_BLOCK, gated_mlp
+from ..kernels.grouped_gemm import ACTIVATIONS, DECODE_ROWS, WEIGHT_BLOCK, GatedMLP, gated_mlp
 from ..kernels.quant import quantize_weights_fp8
+
+
+MAX_PLANS = 8     # run_experts' plans a layer keeps (its all-to-all's two slots in two tile classes take four)
 
 
 class EPMoE(nn.Module):
@@ -116,6 +119,7 @@ class EPMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.experts_per_rank, hidden, intermediate,
                                                   dtype=dtype, device=device))
         self._all_to_all: EPAllToAll | None = None
+        self._plans: dict[tuple, GatedMLP] = {}    # run_experts' launches, by the operands they were planned on
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -173,10 +177,25 @@ class EPMoE(nn.Module):
         else:
             gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
         packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
-        return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
-                         self._kernel_activation or self.activation, gate_up_scales, down_scales,
-                         out_dtype=self.gate_up_proj.dtype, packed_rows=packed_rows, rows_per_expert=rows_per_expert,
-                         kernels=kernels)
+        activation = self._kernel_activation or self.activation
+        if not (recv_x.is_cuda if kernels is None else kernels) or not isinstance(activation, str):
+            return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group, activation,
+                             gate_up_scales, down_scales, out_dtype=self.gate_up_proj.dtype, packed_rows=packed_rows,
+                             rows_per_expert=rows_per_expert, kernels=kernels)
+        # The kernels planned once per slot of the all-to-all's buffers and tile class (GatedMLP): a forward's
+        # host time at decode sizes is mostly what gated_mlp would check and describe again.
+        decode = (recv_x.shape[1] if rows_per_expert is None else rows_per_expert) <= DECODE_ROWS
+        key = (recv_x.data_ptr(), recv_x.shape, recv_x.dtype, None if recv_scales is None else recv_scales.data_ptr(),
+               recv_count.data_ptr(), gate_up.data_ptr(), down.data_ptr(), decode)
+        plan = self._plans.get(key)
+        if plan is None:                       # plans on other weights (replaced, moved) are dropped
+            self._plans = {k: p for k, p in self._plans.items() if k[5:7] == key[5:7]}
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = GatedMLP(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
+                                               activation, gate_up_scales, down_scales, self.gate_up_proj.dtype,
+                                               packed_rows, rows_per_expert)
+        return plan()
 
     def quantize_experts(self) -> tuple:
         """Quantize this rank's expert weights to FP8 (128 x 128 blocks) for fp8_experts; returns and
@@ -184,11 +203,13 @@ class EPMoE(nn.Module):
         with torch.no_grad():
             self._fp8_weights = (*quantize_weights_fp8(self.gate_up_proj.detach(), WEIGHT_BLOCK.value),
                                  *quantize_weights_fp8(self.down_proj.detach(), WEIGHT_BLOCK.value))
+        self._plans.clear()                        # they hold the weights they were planned on
         return self._fp8_weights
 
     def destroy(self) -> None:
         """Free the layer's all-to-all (collective, as building it at the first forward was; idempotent).
         A later forward builds a new one."""
+        self._plans.clear()                        # they hold views of the all-to-all's buffers
         if self._all_to_all is not None:
             self._all_to_all.destroy()
             self._all_to_all = None
@@ -199,6 +220,7 @@ class EPMoE(nn.Module):
         the weights when they move; an nvshmem one stays on this process's GPU."""
         device = self.gate_up_proj.device
         if self._all_to_all is None or (self.backend == "reference" and self._all_to_all.device != device):
+            self._plans.clear()
             self._all_to_all = EPAllToAll(self.max_tokens, self.hidden, self.num_experts, self.topk, group=self.group,
                                           dtype=self.gate_up_proj.dtype, fp8_dispatch=self.fp8_dispatch,
                                           fp8_group=self.fp8_group, backend=self.backend, device=device,
