@@ -2,7 +2,7 @@
 
     bash launch.sh benchmarks/bench_tp.py --out OUTDIR
 
-Every shape of SHAPES for each op: about 30-70 s on two H200s with cold compiles (estimated: the
+Every shape of SHAPES for each op: about 35-75 s on two H200s with cold compiles (estimated: the
 numbers are beside SHAPES).
 
 Shapes (M, K, N), bf16, tp = the number of ranks; weights as nn.Linear stores them (w = weight.t()):
@@ -27,8 +27,15 @@ state) and whatever a call leaves for the next fall on all alike:
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
               its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
               host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
-Speedups are plain / x. Overlap efficiency = (plain - best of ours) / min(comm, gemm): 1 is a
-perfect overlap. The cost model's predictions (moe_ep.tp.cost.predicted_us) are printed beside.
+At decode sizes (M <= `--graph-rows`, default 512; 0: none) each column is also timed in a CUDA graph,
+as inference engines run decode: `<x>_graph_us` (plain_graph_us, fused_graph_us, ...) is the median of
+a graph of GRAPH_CALLS (10) back-to-back calls, captured after the eager warm-up (so auto has chosen its
+path), its replays timed as the eager calls are (after a barrier, interleaved), over GRAPH_CALLS: no
+host time, and the ranks' skew after the barrier shared by 10 calls. A column whose capture fails on any
+rank holds the failure, "failed: <type>: <message>" (another rank's with "(rank R)"), and is not replayed.
+Speedups are plain / x; `<x>_graph_speedup` = plain_graph_us / x_graph_us. Overlap efficiency =
+(plain - best of ours) / min(comm, gemm): 1 is a perfect overlap. The cost model's predictions
+(moe_ep.tp.cost.predicted_us) are printed beside.
 Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
 longer); tp.json is rewritten as rows come in, tp.md written at the end; rank 0 prints the table.
 tp.json's `torch_symm_mem_backend` says which symmetric-memory allocator PyTorch's ops ran on (its
@@ -52,11 +59,13 @@ from moe_ep.timing import (Progress, benchmark_args, call_after_barrier_us, envi
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
 # compile (the fused AG-GEMM, GEMM-RS and GEMM-AR and matmul, pointer and tma, on 128- and 64-row tiles),
 # 0.5-2 s each for sm_90: 10-40 s; a row 10 timings of 35 calls, the longest 3-4 ms (b: 1.9 TFLOP a rank at
-# ~700 TFLOP/s), so 1-1.5 s for b and under 0.5 s for the decode rows, 14 rows 5-10 s. 30-70 s.
+# ~700 TFLOP/s), so 1-1.5 s for b and under 0.5 s for the decode rows, 14 rows 5-10 s; the 6 rows with CUDA
+# graphs (M <= 512) capture about 10 graphs of GRAPH_CALLS calls and replay each 31 times: about 1 s a row. 35-75 s.
 SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 4096, 14336),
           (128, 8192, 28672), (512, 8192, 28672)]
 WARMUP = 5                  # untimed calls of each column before its row's timed rounds
 DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
+GRAPH_CALLS = 10            # back-to-back calls in each CUDA graph of the graph columns
 
 
 def torch_fused_ops():
@@ -86,7 +95,44 @@ def torch_fused_ops():
             lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
 
 
-def measure(op, shape, tp, fused, iters, progress: Progress):
+def failure(e: Exception) -> str:
+    """What a column records for a call that raised: 'failed: <type>: <its message's first line>'."""
+    return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+
+
+def graph_times(timed: list, iters: int) -> dict:
+    """`<x>_graph_us` of each (`<x>_us`, fn) of `timed` (warmed up): a CUDA graph of GRAPH_CALLS back-to-back
+    calls of fn() captured for each, on every rank in the same order, the replays timed as the eager calls
+    (interleaved, each after a barrier), each median over GRAPH_CALLS. A column whose capture failed on any
+    rank is not replayed: it holds the failure (another rank's with '(rank R)'). The graphs are freed on return."""
+    graphs, failed = {}, {}
+    for key, fn in timed:
+        name = key.removesuffix("_us") + "_graph_us"
+        graph, error = torch.cuda.CUDAGraph(), None
+        try:
+            with torch.cuda.graph(graph):
+                try:
+                    for _ in range(GRAPH_CALLS):
+                        fn()
+                except Exception as e:    # the call that spoiled the capture, not the capture's end, which raises too
+                    error = e
+                    raise
+            graphs[name] = graph
+        except Exception as e:            # a path that cannot be captured is reported, not fatal
+            failed[name] = failure(error or e)
+            torch.cuda.synchronize()
+        dist.barrier()                    # every rank after every capture: the collectives stay in step
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    for rank, theirs in enumerate(everyone):
+        for name, why in theirs.items():
+            graphs.pop(name, None)
+            failed.setdefault(name, f"{why} (rank {rank})")
+    medians = interleaved_median_us([graph.replay for graph in graphs.values()], iters, 1, call_after_barrier_us)
+    return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
+
+
+def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
     world = dist.get_world_size()
     m, k, n = shape
     g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
@@ -138,7 +184,7 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
         try:
             row[f"{path}_max_abs_diff"] = (run().float() - expected).abs().max().item()
         except Exception as e:
-            row[f"{path}_max_abs_diff"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            row[f"{path}_max_abs_diff"] = failure(e)
     local_k, local_n = (k, n // world) if op == "ag_gemm" else (k // world, n)
     progress.step("auto, first call")
     torch.cuda.synchronize()
@@ -151,7 +197,7 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
         row["auto_path"] = choice["path"]
         row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
     except Exception as e:
-        row["auto_path"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        row["auto_path"] = failure(e)
     gemm_a = gathered if op == "ag_gemm" else a
     config = fused_tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)   # the fused kernels' tiles
     triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
@@ -170,13 +216,17 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
                 fn()
             timed.append((key, fn))
         except Exception as e:            # a baseline this torch cannot run is reported, not fatal
-            row[key] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            row[key] = failure(e)
     progress.step(f"{iters} rounds of {len(timed)} timed calls")
     medians = interleaved_median_us([fn for _, fn in timed], iters, 0, call_after_barrier_us)
     row.update(zip((key for key, _ in timed), medians))
-    for key in ("fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "torch_us"):
-        if isinstance(row.get(key), float):
-            row[key.replace("_us", "_speedup")] = row["plain_us"] / row[key]
+    if m <= graph_rows:
+        progress.step(f"CUDA graphs of {GRAPH_CALLS} calls: capture, then {iters} rounds of replays")
+        row.update(graph_times(timed, iters))
+    for path in ("fused", "fused_tma", "chunked", "never", "auto", "torch"):
+        for us, speedup in (("_us", "_speedup"), ("_graph_us", "_graph_speedup")):
+            if all(isinstance(row.get(key), float) for key in (f"plain{us}", f"{path}{us}")):
+                row[f"{path}{speedup}"] = row[f"plain{us}"] / row[f"{path}{us}"]
     for key in ("triton", "triton_tma"):
         if all(isinstance(row.get(k), float) for k in (f"{key}_us", "gemm_us")):
             row[f"{key}_vs_cublas"] = row["gemm_us"] / row[f"{key}_us"]
@@ -191,17 +241,23 @@ def measure(op, shape, tp, fused, iters, progress: Progress):
 COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "triton_tma_us",
            "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us",
            "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "never_speedup",
-           "auto_speedup", "overlap_efficiency", "auto_path",
+           "auto_speedup", "overlap_efficiency", "auto_path", "comm_graph_us", "gemm_graph_us", "triton_graph_us",
+           "triton_tma_graph_us", "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us",
+           "chunked_graph_us", "never_graph_us", "auto_graph_us", "torch_graph_speedup", "fused_graph_speedup",
+           "fused_tma_graph_speedup", "chunked_graph_speedup", "never_graph_speedup", "auto_graph_speedup",
            "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
            "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
            "fused_tma_max_abs_diff", "chunked_max_abs_diff", "never_max_abs_diff"]
 # a row's line as it is measured
 ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "plain_us", "torch_us",
-               "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path", "overlap_efficiency"]
+               "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path", "overlap_efficiency",
+               "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us", "chunked_graph_us",
+               "never_graph_us", "auto_graph_us"]
 
 
 def main():
-    args = benchmark_args(__doc__, iters=30)
+    args = benchmark_args(__doc__, iters=30, numbers={
+        "graph-rows": (DECODE_ROWS, "rows with M <= this also get CUDA-graph columns (0: none)")})
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = environment()
     max_rows = max(m for m, _, _ in SHAPES)
@@ -212,7 +268,7 @@ def main():
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
         for shape in (s for s in SHAPES if op != "gemm_ar" or s[0] <= DECODE_ROWS):
             with Progress(f"{op} M={shape[0]} K={shape[1]} N={shape[2]}") as p:
-                rows.append(measure(op, shape, tp, fused, args.iters, p))
+                rows.append(measure(op, shape, tp, fused, args.iters, args.graph_rows, p))
             if rank == 0:                  # written as they come: a cut run keeps what it measured
                 with open(os.path.join(args.out, "tp.json"), "w") as f:
                     json.dump({**meta, "rows": rows}, f, indent=1)

@@ -70,10 +70,12 @@ def round_order(r: int, n: int) -> list[int]:
     return random.Random(r).sample(range(n), n)
 
 
-def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None, **flags: str) -> argparse.Namespace:
+def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None,
+                   numbers: dict[str, tuple[int, str]] | None = None, **flags: str) -> argparse.Namespace:
     """Parse --out DIR, --iters N (default `iters`), --tokens N,N,... (token counts per rank, default
-    `tokens`; no such option when None) and the boolean `flags` (name -> help), make --out, and start
-    torch.distributed with one GPU per process; exit when no GPU is visible or when ranks share a GPU.
+    `tokens`; no such option when None), the integer options `numbers` (name -> (default, help)) and the
+    boolean `flags` (name -> help), make --out, and start torch.distributed with one GPU per process; exit
+    when no GPU is visible or when ranks share a GPU.
     args.started: when this was called (``finish`` prints the wall time since)."""
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +84,8 @@ def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None, 
     if tokens is not None:
         parser.add_argument("--tokens", type=token_counts, default=tokens, metavar="N,N,...",
                             help=f"token counts per rank (default: {','.join(map(str, tokens))})")
+    for name, (default, text) in (numbers or {}).items():
+        parser.add_argument(f"--{name}", type=int, default=default, metavar="N", help=f"{text} (default: {default})")
     for name, text in flags.items():
         parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()

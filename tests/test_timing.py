@@ -1,12 +1,14 @@
-"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, and
---tokens."""
+"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, --tokens
+and the integer options."""
 import argparse
 import re
+import sys
 import time
 
 import pytest
 
-from moe_ep.timing import Progress, interleaved_median_us, markdown_table, round_order, row_line, token_counts
+from moe_ep.timing import (Progress, benchmark_args, interleaved_median_us, markdown_table, round_order, row_line,
+                           token_counts)
 
 
 def test_heartbeat_names_a_block_that_runs_long(capsys):
@@ -51,6 +53,18 @@ def test_token_counts():
     for text in ("", "0", "128,", "a", "-4", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive token counts"):
             token_counts(text)
+
+
+def test_integer_options_show_their_default_and_refuse_other_values(monkeypatch, capsys):
+    numbers = {"graph-rows": (512, "rows with CUDA graphs")}
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--help"])
+    with pytest.raises(SystemExit):
+        benchmark_args("doc", iters=1, numbers=numbers)
+    assert "--graph-rows N rows with CUDA graphs (default: 512)" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--graph-rows", "many"])
+    with pytest.raises(SystemExit):
+        benchmark_args("doc", iters=1, numbers=numbers)
+    assert "argument --graph-rows: invalid int value: 'many'" in capsys.readouterr().err
 
 
 def test_interleaved_rounds_vary_who_goes_first_and_who_follows_whom():
