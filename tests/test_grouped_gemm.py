@@ -110,11 +110,10 @@ def test_gated_activation(activation, quantize):
         gated_activation(gate_up[:, :100], counts, rows, activation, torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("fp8", ["rows", "rows and weights", None])
-def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
-    """GatedMLP, planned once on x, the weights and counts, gives gated_mlp's kernels' result bit for bit at
-    every call, from what x and counts hold then (new rows written into x, new counts, one expert empty);
-    it keeps none of the tensors it makes; bad operands and a callable activation are refused."""
+def _mlp_operands(fp8):
+    """gated_mlp's operands for 3 experts of 12 rows, H = I = 128, counts [5, 0, 12]: fp32 rows and weights, FP8
+    rows (fp8="rows") or FP8 rows and weights ("rows and weights"). Returns x, w13, w2, counts, scales and the
+    weights' scales as gated_mlp's keywords."""
     experts, rows, hidden, inter = 3, 12, 128, 128
     x, w13, counts = _inputs(experts, rows, hidden, 2 * inter, [5, 0, 12], torch.float32)
     w2 = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
@@ -124,7 +123,15 @@ def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
         x, scales = q.view(experts, rows, hidden).to(DEVICE), scales.view(experts, rows, 1).to(DEVICE)
     if fp8 == "rows and weights":
         (w13, w13_scales), (w2, w2_scales) = quantize_weights_fp8(w13), quantize_weights_fp8(w2)
-    weights = dict(w13_scales=w13_scales, w2_scales=w2_scales)
+    return x, w13, w2, counts, scales, dict(w13_scales=w13_scales, w2_scales=w2_scales)
+
+
+@pytest.mark.parametrize("fp8", ["rows", "rows and weights", None])
+def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
+    """GatedMLP, planned once on x, the weights and counts, gives gated_mlp's kernels' result bit for bit at
+    every call, from what x and counts hold then (new rows written into x, new counts, one expert empty);
+    it keeps none of the tensors it makes; bad operands and a callable activation are refused."""
+    x, w13, w2, counts, scales, weights = _mlp_operands(fp8)
     planned = GatedMLP(x, w13, w2, counts, scales, packed_rows=20, rows_per_expert=4, **weights)
     g = torch.Generator().manual_seed(3)
     for new_counts in ([5, 0, 12], [1, 7, 0], [12, 4, 3]):
@@ -134,7 +141,7 @@ def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
         expected = gated_mlp(x, w13, w2, counts, scales, packed_rows=20, rows_per_expert=4, kernels=True, **weights)
         for e, count in enumerate(new_counts):
             assert torch.equal(out[e, :count], expected[e, :count])
-    kept = {t.data_ptr() for t in (x, w13, w2, counts, scales, w13_scales, w2_scales) if t is not None}
+    kept = {t.data_ptr() for t in (x, w13, w2, counts, scales, *weights.values()) if t is not None}
     for _, values in (planned._up, planned._act, planned._down):
         for value in values:
             base = getattr(value, "base", value)          # a descriptor's: the tensor it describes
@@ -153,22 +160,13 @@ def test_gated_mlp_kernels_match_its_reference(activation, fp8):
     """gated_mlp's kernels (act(gate) * up by name in a kernel, or a callable applied in torch; packed
     intermediate of fewer rows than E * R; FP8 rows, and FP8 weights with the intermediate quantized
     between the GEMMs) against its plain-torch path; out's rows past the counts kept."""
-    experts, rows, hidden, inter = 3, 12, 128, 128
-    x, w13, counts = _inputs(experts, rows, hidden, 2 * inter, [5, 0, 12], torch.float32)
-    w2 = _inputs(experts, rows, inter, hidden, [0] * experts, torch.float32, seed=1)[1]
-    scales = w13_scales = w2_scales = None
-    if fp8:
-        q, scales = quantize_fp8(x.view(-1, hidden).cpu(), 128)
-        x, scales = q.view(experts, rows, hidden).to(DEVICE), scales.view(experts, rows, 1).to(DEVICE)
-    if fp8 == "rows and weights":
-        (w13, w13_scales), (w2, w2_scales) = quantize_weights_fp8(w13), quantize_weights_fp8(w2)
-    dtype = torch.bfloat16 if w13_scales is not None else torch.float32
-    weights = dict(w13_scales=w13_scales, w2_scales=w2_scales)
-    out = torch.full((experts, rows, hidden), FILL, dtype=dtype, device=DEVICE)
+    x, w13, w2, counts, scales, weights = _mlp_operands(fp8)
+    dtype = torch.bfloat16 if fp8 == "rows and weights" else torch.float32
+    out = torch.full(x.shape, FILL, dtype=dtype, device=DEVICE)
     assert gated_mlp(x, w13, w2, counts, scales, activation=activation, out=out, packed_rows=20, kernels=True,
                      **weights) is out
     expected = gated_mlp(x, w13, w2, counts, scales, activation=activation, kernels=False, **weights)
-    if w13_scales is None:
+    if fp8 != "rows and weights":
         _check_capacity(out, expected, counts, _tolerance(torch.float32))
         return
     # FP8 weights: the kernels round gate_up to bf16 and quantize act(gate) * up from that, the reference
