@@ -129,12 +129,12 @@ def _mlp_operands(fp8):
 @pytest.mark.parametrize("fp8", ["rows", "rows and weights", None])
 def test_planned_gated_mlp_launches_what_gated_mlp_launches(fp8):
     """GatedMLP, planned once on x, the weights and counts, gives gated_mlp's kernels' result bit for bit at
-    every call, from what x and counts hold then (new rows written into x, new counts, one expert empty);
+    every call, from what x and counts hold then (new rows written into x, new counts, one expert or all empty);
     it keeps none of the tensors it makes; bad operands and a callable activation are refused."""
     x, w13, w2, counts, scales, weights = _mlp_operands(fp8)
     planned = GatedMLP(x, w13, w2, counts, scales, packed_rows=20, rows_per_expert=4, **weights)
     g = torch.Generator().manual_seed(3)
-    for new_counts in ([5, 0, 12], [1, 7, 0], [12, 4, 3]):
+    for new_counts in ([5, 0, 12], [1, 7, 0], [0, 0, 0], [12, 4, 3]):
         counts.copy_(torch.tensor(new_counts, dtype=torch.int32))
         x.copy_(torch.randn(x.shape, generator=g).to(x.dtype))
         out = planned()
