@@ -32,6 +32,17 @@ from .shmem import INTERPRETING
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "extern_libs", "maxnreg", "launch_pdl")
 
 
+def cdiv(x: int, y: int) -> int:
+    """ceil(x / y) for ints, in plain Python: ``triton.cdiv`` is a constexpr function, whose host calls
+    take about 1.6 us (unwrapping its arguments) against 0.005, for the launches' per-call arithmetic."""
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), in plain Python, as ``triton.next_power_of_2`` (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _address(value):
     """Tensors travel to the launcher as their addresses: one method call fewer per argument and launch."""
     return value.data_ptr() if isinstance(value, torch.Tensor) else value

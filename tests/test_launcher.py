@@ -162,3 +162,29 @@ def test_bound_kernel_refuses_a_kernel_that_does_not_fit(monkeypatch):
 def test_bound_kernel_names_unknown_and_missing_arguments():
     with pytest.raises(TypeError, match=r"unknown arguments \['bogus'\], missing \['scale'\]"):
         launcher.BoundKernel(_kernel, 8, ("x_ptr", "n"), peers=torch.zeros(1), bogus=1, BLOCK=16)
+
+
+def test_shared_kernel_is_made_once_per_grid_and_compile_time_arguments(monkeypatch):
+    """shared_kernel keeps one BoundKernel per (kernel, grid, varying names, fixed arguments, GPU): the same
+    arguments find it again, any other one makes another; the launches go through it."""
+    compilations = compiled_path(monkeypatch, _kernel)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_SHARED", {})
+    fixed = dict(peers=None, scale=3, BLOCK=64, num_warps=4)
+    first = launcher.shared_kernel(_kernel, 8, ("x_ptr", "n"), **fixed)
+    assert launcher.shared_kernel(_kernel, 8, ("x_ptr", "n"), **fixed) is first
+    others = [launcher.shared_kernel(_kernel, 16, ("x_ptr", "n"), **fixed),
+              launcher.shared_kernel(_kernel, 8, ("x_ptr", "n"), **{**fixed, "BLOCK": 128}),
+              launcher.shared_kernel(_kernel, 8, ("x_ptr", "n"), **{**fixed, "num_warps": 8})]
+    assert len({id(k) for k in [first, *others]}) == 4
+    first(torch.zeros(64), 5)
+    assert len(compilations) == 1 and compilations[0]["grid"] == (8,) and compilations[0]["BLOCK"] == 64
+
+
+def test_host_arithmetic_agrees_with_triton():
+    """cdiv and next_power_of_2, the plain-Python forms the launches use per call, give Triton's values."""
+    for n in range(1, 3000):
+        assert launcher.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 128):
+            assert launcher.cdiv(n, d) == triton.cdiv(n, d)
+    assert launcher.cdiv(0, 64) == 0

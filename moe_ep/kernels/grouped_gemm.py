@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launcher import shared_kernel
+from ..launcher import cdiv, next_power_of_2, shared_kernel
 from .matmul import describable, descriptor
 from .quant import (cast_rn, dequantize_rows_fp8, dequantize_weights_fp8, fp8_quantize_groups,
                     quantize_rows_fp8, to_fp8)
@@ -305,17 +305,18 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, scales:
     if (fp8 and group % config["BLOCK_K"]) or (fp8_weights and WEIGHT_BLOCK.value % config["BLOCK_K"]):
         raise ValueError(f"BLOCK_K={config['BLOCK_K']} must divide the FP8 groups")
     programs_per_sm = config.pop("programs_per_sm")
-    tiles = experts * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    tiles = experts * cdiv(rows, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
     programs = programs_per_sm * _sm_count(a.device.index) if a.is_cuda else INTERPRETER_PROGRAMS
     grid = max(1, min(programs, tiles))
+    a_rows, w_rows = a.view(-1, k), w.view(-1, k)
     if variant is None:
         variant = DEFAULT_VARIANTS["fp8" if fp8_weights else "bf16"]
-        if not (describable(a.view(-1, k)) and describable(w.view(-1, k))):
+        if not (describable(a_rows) and describable(w_rows)):
             variant = "pointer"
     descriptors = ()
     if VARIANTS[variant]["TMA"]:
-        descriptors = (descriptor(a.view(-1, k), [config["BLOCK_M"], config["BLOCK_K"]]),
-                       descriptor(w.view(-1, k), [config["BLOCK_N"], config["BLOCK_K"]]))
+        descriptors = (descriptor(a_rows, [config["BLOCK_M"], config["BLOCK_K"]]),
+                       descriptor(w_rows, [config["BLOCK_N"], config["BLOCK_K"]]))
     kernel = shared_kernel(grouped_gemm_kernel, grid, GEMM_VARYING + DESCRIPTORS[:len(descriptors)],
                            **dict.fromkeys(DESCRIPTORS[len(descriptors):]), K=k, N=n, FP8=fp8, W_FP8=fp8_weights,
                            GROUP=group, A_PACKED=a.dim() == 2, OUT_PACKED=out.dim() == 2, E_PAD=_e_pad(experts),
@@ -341,9 +342,9 @@ def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, act
     h = torch.empty((packed_rows, inter), dtype=out_dtype or gate_up.dtype, device=gate_up.device)
     scales = torch.empty((packed_rows, inter // group if quantize else 0), dtype=torch.float32,
                          device=gate_up.device)
-    block_c = group if quantize else min(128, triton.next_power_of_2(inter))
+    block_c = group if quantize else min(128, next_power_of_2(inter))
     if packed_rows and inter:
-        grid = triton.cdiv(packed_rows, ACTIVATION_ROWS) * triton.cdiv(inter, block_c)
+        grid = cdiv(packed_rows, ACTIVATION_ROWS) * cdiv(inter, block_c)
         kernel = shared_kernel(gated_activation_kernel, grid, ACTIVATION_VARYING, I=inter, ACTIVATION=activation,
                                QUANTIZE=quantize, E_PAD=_e_pad(len(counts)), BLOCK_R=ACTIVATION_ROWS, BLOCK_C=block_c)
         kernel(gate_up, h, scales, counts, rows, packed_rows, len(counts))
@@ -351,7 +352,7 @@ def gated_activation(gate_up: torch.Tensor, counts: torch.Tensor, rows: int, act
 
 
 def _e_pad(experts: int) -> int:
-    return max(2, triton.next_power_of_2(experts))
+    return max(2, next_power_of_2(experts))
 
 
 @functools.cache

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..launcher import cdiv
 from ..shmem import signal_add_to, wait_all_ge, wait_until_ge
 from .status import TAG_TP_BARRIER
 
@@ -310,7 +311,7 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
                                                                                 W_KMAJOR=False)
     out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
-    grid = min(programs, triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]))
+    grid = min(programs, cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]))
     matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, M=m, N=n, K=k, stride_am=a.stride(0),
                            stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
                            EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
@@ -411,8 +412,8 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
     at work repay: at n = 3584 (tensor parallelism 8 of 28672) and 128 rows, 56 tiles, 2 slices ran at 0.85x
     cuBLAS, one at 0.72x; bench_gemm.py's other K x N have 112-256 tiles, one slice."""
     tiles = small_m_tiles(m, element_size)
-    count = triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"])
-    blocks = triton.cdiv(k, tiles["BLOCK_K"])
+    count = cdiv(m, tiles["BLOCK_M"]) * cdiv(n, tiles["BLOCK_N"])
+    blocks = cdiv(k, tiles["BLOCK_K"])
     return dict(tiles, splits=max(1, min(sms // max(count, 1), blocks // MIN_SPLIT_BLOCKS)))
 
 
@@ -434,19 +435,19 @@ def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | No
         return out.zero_()
     config = dict(config or small_m_config(m, n, k, a.element_size(), sms))
     splits = config.pop("splits")
-    blocks = triton.cdiv(k, config["BLOCK_K"])
-    blocks_per_split = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, blocks_per_split)          # no empty slice when `splits` does not divide the blocks
+    blocks = cdiv(k, config["BLOCK_K"])
+    blocks_per_split = cdiv(blocks, splits)
+    splits = cdiv(blocks, blocks_per_split)          # no empty slice when `splits` does not divide the blocks
     partials = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     descriptors = (operand_descriptors(a, w, config) if VARIANTS[variant]["TMA"]
                    else dict(a_desc=None, w_desc=None, W_KMAJOR=False))
-    grid = (triton.cdiv(m, config["BLOCK_M"]), splits, triton.cdiv(n, config["BLOCK_N"]))
+    grid = (cdiv(m, config["BLOCK_M"]), splits, cdiv(n, config["BLOCK_N"]))
     matmul_split_k_kernel[grid](a=a, w=w, partials=partials, M=m, N=n, K=k, stride_am=a.stride(0),
                                 stride_wk=w.stride(0), stride_wn=w.stride(1), blocks_per_split=blocks_per_split,
                                 EVEN_K=k % config["BLOCK_K"] == 0, TMA=VARIANTS[variant]["TMA"], **descriptors,
                                 **config)
     if splits > 1:
-        sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partials=partials, out=out, numel=m * n, splits=splits,
+        sum_splits_kernel[(cdiv(m * n, SUM_BLOCK),)](partials=partials, out=out, numel=m * n, splits=splits,
                                                             BLOCK=SUM_BLOCK, num_warps=4)
     return out
 

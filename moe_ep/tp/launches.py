@@ -10,7 +10,6 @@ descriptors, with TMA) are what a call passes.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
@@ -18,7 +17,7 @@ from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
 from ..kernels.matmul import (descriptor, fused_tile_config, loads_through_descriptors, operand_descriptors,
                               reset_and_barrier_kernel, wait_flag_kernel, weight_rows)
 from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
-from ..launcher import BoundKernel
+from ..launcher import BoundKernel, cdiv, next_power_of_2
 from .config import TPBuffers, TPConfig
 
 REDUCE_BLOCK = 4096       # elements per program of the chunked reduce-scatter's sum: 8 warps, 16 a thread
@@ -56,7 +55,7 @@ class Launches:
         self._reset = {name: BoundKernel(reset_and_barrier_kernel, 1, ("count",), flags=getattr(buffers, name),
                                          arrivals=buffers.arrivals, arrival_peers=peers["arrivals"], rank=config.rank,
                                          world=config.world, BLOCK=RESET_BLOCK,
-                                         WORLD_PAD=triton.next_power_of_2(config.world), num_warps=4, **waits)
+                                         WORLD_PAD=next_power_of_2(config.world), num_warps=4, **waits)
                        for name in ("shard_flags", "tile_flags")}
         self.bound: dict[tuple, BoundKernel] = {}
 
@@ -69,7 +68,7 @@ class Launches:
         n = w.shape[1]
         out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
         config = fused_tile_config(rows, n, a_shard.element_size())
-        tiles = c.world * triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        tiles = c.world * cdiv(rows, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
         tma, descriptors = self._loads(a_shard, w, config)
         if tma:                     # the gathered A's between a's and w's
             gathered = self.buffers.gathered[:c.world * rows * k].view(c.world * rows, k)
@@ -98,10 +97,10 @@ class Launches:
         kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
-        return triton.cdiv(m // self.config.world, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        return cdiv(m // self.config.world, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
     def ar_tiles(self, m: int, n: int, config: dict) -> int:
-        return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        return cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
     def _kernel(self, fn, tiles: int, config: dict, k: int, w: torch.Tensor, tma: bool, **flags) -> BoundKernel:
         """`fn` bound for this call's grid (tiles, at most `programs`), tile shapes, loads (tma: through
@@ -141,7 +140,7 @@ class Launches:
     def reduce_partials(self, own: torch.Tensor, out: torch.Tensor) -> None:
         """out = own + the peers' partials of the chunked reduce-scatter, in fp32 (``reduce_partials_kernel``)."""
         numel = out.numel()
-        grid = triton.cdiv(numel, REDUCE_BLOCK)
+        grid = cdiv(numel, REDUCE_BLOCK)
         kernel = self.bound.get((reduce_partials_kernel, grid))
         if kernel is None:
             kernel = self.bound[reduce_partials_kernel, grid] = BoundKernel(
