@@ -437,7 +437,7 @@ def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | No
     splits = config.pop("splits")
     blocks = cdiv(k, config["BLOCK_K"])
     blocks_per_split = cdiv(blocks, splits)
-    splits = cdiv(blocks, blocks_per_split)          # no empty slice when `splits` does not divide the blocks
+    splits = cdiv(blocks, blocks_per_split)    # no empty slice when `splits` does not divide the blocks
     partials = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     descriptors = (operand_descriptors(a, w, config) if VARIANTS[variant]["TMA"]
                    else dict(a_desc=None, w_desc=None, W_KMAJOR=False))
@@ -448,7 +448,7 @@ def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | No
                                 **config)
     if splits > 1:
         sum_splits_kernel[(cdiv(m * n, SUM_BLOCK),)](partials=partials, out=out, numel=m * n, splits=splits,
-                                                            BLOCK=SUM_BLOCK, num_warps=4)
+                                                     BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
