@@ -137,8 +137,7 @@ SLOT_ALIGN = 16
 def slot_blocks(local, shape, dtype: torch.dtype) -> torch.Tensor:
     """local(shape, dtype) for a per-slot buffer [S, ...], its slot blocks a multiple of SLOT_ALIGN bytes apart:
     where they would not be, a view of a padded [S, n] buffer (each block contiguous, the same values)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    block = math.prod(shape[1:])
+    size, block = dtype.itemsize, math.prod(shape[1:])
     stride = -(-block * size // SLOT_ALIGN) * SLOT_ALIGN // size
     if stride == block:
         return local(shape, dtype)
