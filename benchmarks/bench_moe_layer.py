@@ -7,11 +7,12 @@ warm compile cache (--tokens 128: 29 s warm, 42 s cold; each with the launch); -
 grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's).
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
-split into dispatch / experts / combine, eager and replayed from a CUDA graph (experts_floor_us: the
-weights of this rank's experts that received rows, read once, and the flops of the rows this rank received,
-each at the datasheet peak, timing.floor_us): the NVSHMEM backend
-with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is not
-used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
+split into dispatch / experts (launched) / combine; the forward eager (its experts replayed from their
+CUDA graph, EPMoE's graph_experts; forward_launched_us: launched at every forward) and the whole forward
+replayed from a CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
+once, and the flops of the rows this rank received, each at the datasheet peak, timing.floor_us): the
+NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is
+not used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
 block itself, all 128 experts on one GPU.
 
 Grouped GEMM alone (--full; the gate_up GEMM: DeepSeek-V3 and Qwen3-30B-A3B shapes, decode and prefill
@@ -90,6 +91,9 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
                                                   / exact[counted].float().norm()).item()
             progress.step("forward")
             times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
+            layer.graph_experts = False          # the experts launched at every forward, not replayed
+            times["forward_launched_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
+            layer.graph_experts = True
             if backend == "nvshmem":
                 progress.step("CUDA graph")
                 graph = torch.cuda.CUDAGraph()
@@ -198,7 +202,8 @@ def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
 
 
 LAYER_COLUMNS = ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts", "dispatch_us", "experts_us",
-                 "expert_rows", "experts_floor_us", "combine_us", "forward_us", "graph_us", "fp8_experts_rel_error", "error"]
+                 "expert_rows", "experts_floor_us", "combine_us", "forward_us", "forward_launched_us", "graph_us",
+                 "fp8_experts_rel_error", "error"]
 GEMM_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs", "error"]
 
 

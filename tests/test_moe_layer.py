@@ -380,6 +380,53 @@ def test_swapped_model_on_gpus(kind, world):
     run(_gpu_models, world, kind, gpu=True, timeout=300)
 
 
+def _eager_replays(rank, world):
+    """Eager forwards replay the experts' CUDA graph (graph_experts) from the second forward on a slot of the
+    all-to-all's buffers: bit for bit what launching the kernels gives, on fresh tokens at every forward;
+    for two layers, FP8 and bf16 experts (the bf16 intermediate is the larger), whose replays share one
+    scratch (the bf16 layer's capture makes it larger and the FP8 layer's graph is captured again on it);
+    on a second stream, with a scratch of its own."""
+    from moe_ep import graphs
+    g = torch.Generator().manual_seed(rank)
+    layers = [EPMoE(128, 128, 8, 2, max_tokens=16, fp8_experts=fp8, device="cuda") for fp8 in (True, False)]
+    plain = [copy.deepcopy(layer) for layer in layers]
+    for layer in plain:
+        layer.graph_experts = False
+
+    def forwards(steps):
+        for step in range(steps):
+            for layer, launched in zip(layers, plain):
+                tokens = (3, 16, 0, 1, 9, 16)[step % 6] + rank
+                tokens = min(tokens, 16)
+                x = torch.randn(tokens, 128, generator=g).to("cuda", torch.bfloat16)
+                ids, weights = random_topk(tokens, 8, 2, "cuda", g)
+                assert torch.equal(layer(x, ids, weights), launched(x, ids, weights)), f"step {step}"
+
+    with torch.no_grad():
+        forwards(6)
+        stream = torch.cuda.current_stream().cuda_stream
+        for layer in layers:
+            replays = [r for plan in layer._plans.values() for r in plan.replays.values() if r is not None]
+            assert len(replays) == 2 and all(r.current for r in replays), "a graph per slot, on the scratch in use"
+            assert {r.key for r in replays} == {(torch.device("cuda", torch.cuda.current_device()), stream)}
+        assert not any(plan.replays for layer in plain for plan in layer._plans.values())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forwards(6)
+        torch.cuda.current_stream().wait_stream(side)
+        assert len({key[1] for key in graphs._SCRATCH.keys()}) == 2
+        forwards(2)
+    for layer in layers + plain:
+        layer.destroy()
+
+
+@pytest.mark.gpu
+@gpu_worlds
+def test_eager_forwards_replay_the_experts(world):
+    run(_eager_replays, world, gpu=True, timeout=300)
+
+
 def _swapped_on_the_cpu(rank, world):
     """The usual order on a GPU machine: swap a model that still lives on the CPU, then move it. Every
     object built on the caller's behalf takes the device of the caller's tensors, whatever the job's

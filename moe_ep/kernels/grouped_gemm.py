@@ -480,6 +480,7 @@ class GatedMLP:
         if x.dim() != 3:
             raise ValueError(f"x must be [E, R, H], got {tuple(x.shape)}")
         experts, rows, _ = x.shape
+        self.device = x.device
         dtype = out_dtype or (torch.bfloat16 if w13.dtype == torch.float8_e4m3fn else w13.dtype)
         packed_rows = experts * rows if packed_rows is None else packed_rows
         gate_up = torch.empty((packed_rows, w13.shape[1]), dtype=dtype, device=x.device)
@@ -492,7 +493,7 @@ class GatedMLP:
         out = torch.empty((experts, rows, w2.shape[1]), dtype=dtype, device=x.device)
         self._down = _gemm_launch(h, w2, counts, h_scales if fp8_rows else None, WEIGHT_BLOCK.value, out=out,
                                   rows_per_expert=rows_per_expert, w_scales=w2_scales)
-        self._made = [(t.shape, t.dtype) for t in (gate_up, h, h_scales, out)]
+        self.made = tuple((t.shape, t.dtype) for t in (gate_up, h, h_scales, out))   # buffers(): what a call writes
         self._fp8_rows = fp8_rows
         tma = len(self._down[1]) > A_DESC
         self._h_block = self._down[1][A_DESC].block_shape if tma else None
@@ -501,10 +502,18 @@ class GatedMLP:
             for i in made:
                 values[i] = None               # made at every call: no memory kept between calls
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """What a call writes, made new: (gate_up [P, 2I], h [P, I], h's scales (FP8 h) or a stand-in, out
+        [E, R, H]), P the packed rows."""
+        return tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.made)
+
     def __call__(self) -> torch.Tensor:
         """The experts' output [E, R, H] (rows past the counts unwritten), from what x and counts hold now."""
-        device = self._up[1][0].device
-        gate_up, h, h_scales, out = (torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._made)
+        return self.launch(*self.buffers())
+
+    def launch(self, gate_up: torch.Tensor, h: torch.Tensor, h_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The three launches into these buffers (``buffers()``'s shapes and dtypes; any memory, a CUDA graph's
+        capture reads and writes them where they are): out, from what x and counts hold now."""
         up_kernel, up = self._up
         up = up.copy()
         up[OUT] = gate_up

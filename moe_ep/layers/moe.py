@@ -32,6 +32,7 @@ from torch import nn
 
 from .. import runtime
 from ..ep import EPAllToAll, check_config
+from ..graphs import Replay
 from ..kernels.grouped_gemm import ACTIVATIONS, DECODE_ROWS, WEIGHT_BLOCK, GatedMLP, gated_mlp
 from ..kernels.quant import quantize_weights_fp8
 
@@ -79,6 +80,12 @@ class EPMoE(nn.Module):
             forward): the layer goes on without lost ranks, y leaves out their experts without
             renormalizing (see the module's docstring), and after each forward ``lost`` is its [T, K] bool
             report over the flattened tokens, valid until the forward after next (None unless elastic).
+        graph_experts: an eager forward on a GPU replays the local experts' three launches as a CUDA graph
+            captured at the second forward on the same buffers (``moe_ep.graphs``): one host call where the
+            launches' Python takes longer than the kernels at decode sizes. What they write lives in one
+            allocation per GPU and stream, shared by every such layer, as large as the largest layer's
+            intermediates and output. False launches them at every forward. A forward captured by the
+            caller (a CUDA graph of the model) launches them either way.
         dtype, device: of the weights (and so of the tokens the layer takes).
     """
 
@@ -86,7 +93,7 @@ class EPMoE(nn.Module):
                  activation="silu", router: nn.Module | None = None, shared_experts: nn.Module | None = None,
                  routed_scaling_factor: float = 1.0,
                  max_tokens: int = 4096, fp8_dispatch: bool = True, fp8_group: int = 128, backend: str = "nvshmem",
-                 fp8_experts: bool = False, elastic: bool = False,
+                 fp8_experts: bool = False, elastic: bool = False, graph_experts: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         world = dist.get_world_size(group)
@@ -103,6 +110,7 @@ class EPMoE(nn.Module):
         device = runtime.checked_device(device)
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
         self.group, self.max_tokens, self.backend, self.elastic = group, max_tokens, backend, elastic
+        self.graph_experts = graph_experts
         self.lost: torch.Tensor | None = None      # elastic: the last forward's [T, K] lost-expert report
         if fp8_experts and (hidden % WEIGHT_BLOCK.value or intermediate % WEIGHT_BLOCK.value):
             raise ValueError(f"fp8_experts needs hidden and intermediate multiples of {WEIGHT_BLOCK.value}, "
@@ -119,7 +127,7 @@ class EPMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.experts_per_rank, hidden, intermediate,
                                                   dtype=dtype, device=device))
         self._all_to_all: EPAllToAll | None = None
-        self._plans: dict[tuple, GatedMLP] = {}    # run_experts' launches, by the operands they were planned on
+        self._plans: dict[tuple, _Planned] = {}    # run_experts' launches, by the operands they were planned on
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -151,8 +159,9 @@ class EPMoE(nn.Module):
         recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids.contiguous(), topk_weights.contiguous())
         rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
         # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
-        y = ep.combine(self.run_experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts), handle,
-                       out=torch.empty_like(tokens))
+        expert_out = self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts,
+                                   replay=self.graph_experts)
+        y = ep.combine(expert_out, handle, out=torch.empty_like(tokens))
         self.lost = handle.lost
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
@@ -167,8 +176,14 @@ class EPMoE(nn.Module):
         reads); the intermediate act(gate) * up is packed: [R * min(K, E_loc), I], the most rows
         dispatch can deliver. rows_per_expert (expected) picks the GEMM tile shapes; fp8_experts
         (default: the layer's) picks the FP8 weights; kernels (default: recv_x on CUDA) the grouped GEMM
-        kernels over their plain-torch form (kernels.grouped_gemm.gated_mlp).
+        kernels over their plain-torch form (kernels.grouped_gemm.gated_mlp). The result is a tensor of its own.
         """
+        return self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
+
+    def _experts(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None,
+                 replay: bool = False) -> torch.Tensor:
+        """run_experts; with `replay`, the kernels' CUDA graph where there is one (the layer's forwards: their
+        result is a buffer shared by every layer on the stream, which combine reads before the next replay)."""
         fp8 = self.fp8_experts if fp8_experts is None else fp8_experts
         if fp8:
             if self._fp8_weights is None or self._fp8_weights[0].device != self.gate_up_proj.device:
@@ -192,10 +207,10 @@ class EPMoE(nn.Module):
             self._plans = {k: p for k, p in self._plans.items() if k[5:7] == key[5:7]}
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = GatedMLP(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
-                                               activation, gate_up_scales, down_scales, self.gate_up_proj.dtype,
-                                               packed_rows, rows_per_expert)
-        return plan()
+            plan = self._plans[key] = _Planned(GatedMLP(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
+                                                        activation, gate_up_scales, down_scales,
+                                                        self.gate_up_proj.dtype, packed_rows, rows_per_expert))
+        return plan(replay and recv_x.is_cuda)
 
     def quantize_experts(self) -> tuple:
         """Quantize this rank's expert weights to FP8 (128 x 128 blocks) for fp8_experts; returns and
@@ -226,6 +241,27 @@ class EPMoE(nn.Module):
                                           fp8_group=self.fp8_group, backend=self.backend, device=device,
                                           elastic=self.elastic)
         return self._all_to_all
+
+
+class _Planned:
+    """run_experts' kernels on one set of operands (GatedMLP) and, for the layer's forwards, their CUDA graph on
+    each stream (moe_ep.graphs.Replay), captured at the second call that may replay: the first compiles and
+    loads the kernels, which a capture cannot. A forward inside a caller's own capture launches them."""
+
+    def __init__(self, mlp: GatedMLP):
+        self.mlp, self.ran, self.replays = mlp, False, {}
+
+    def __call__(self, replay: bool) -> torch.Tensor:
+        if replay and not torch._C._cuda_isCurrentStreamCapturing():
+            stream = torch._C._cuda_getCurrentRawStream(self.mlp.device.index)
+            graph = self.replays.get(stream)
+            if graph is None or not graph.current:
+                graph = self.replays[stream] = Replay(self.mlp.launch, self.mlp.made, self.mlp.device, stream) \
+                    if self.ran else None
+            if graph is not None:
+                return graph()[-1]
+        self.ran = True
+        return self.mlp()
 
 
 def _kernel_activation(activation) -> str | None:

@@ -1,0 +1,101 @@
+"""Eager calls replayed as CUDA graphs: a fixed set of launches captured once, replayed in one host call.
+
+At decode sizes an eager MoE forward's time is its host time: on the GPU machines the Python around the
+experts' three launches takes two to five times their GPU time (benchmarks/NOTES.md). Launches whose
+operands stay where they are (a layer's weights, its all-to-all's receive buffers) and whose work follows
+what those operands hold (counts read on the GPU) can be captured once and replayed at every later call:
+
+    replay = Replay(launch, [((P, 2 * I), torch.bfloat16), ((E, R, H), torch.bfloat16)], device, stream)
+    gate_up, out = replay()          # launch(gate_up, out) as captured, on what its operands hold now
+
+What the launches write lives in the `Scratch` of the device and the stream the graph was captured for:
+one allocation, as large as the largest set of buffers asked of it, shared by every Replay on that stream.
+Work on one stream runs in order, so whatever reads a replay's buffers (the next kernel on the stream)
+has read them before another replay on the stream writes over them: a caller that keeps them past the
+next replay on the stream copies them first.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+ALIGN = 256     # bytes: each buffer of a Scratch starts at a multiple (TMA descriptors need 16)
+
+# (device, stream) -> its Scratch, while a Replay holds it (and held no longer)
+_SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Scratch:
+    """One uint8 allocation of `nbytes` on `device`, carved into buffers (``views``). The Scratch of a
+    device and stream is replaced by a larger one when a Replay needs more (``Scratch.of``); the Replays
+    on the old one keep it alive and are stale (``Replay.current``)."""
+
+    def __init__(self, nbytes: int, device):
+        self.memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @staticmethod
+    def size(made: Sequence[tuple]) -> int:
+        """Bytes that ``views(made)`` takes: each (shape, dtype) of `made` rounded up to ALIGN."""
+        return sum(_aligned(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in made)
+
+    @classmethod
+    def of(cls, device: torch.device, stream: int, nbytes: int) -> Scratch:
+        """The Scratch of `device` and `stream` (its raw handle), made, or made larger, to hold `nbytes`."""
+        scratch = _SCRATCH.get((device, stream))
+        if scratch is None or scratch.memory.numel() < nbytes:
+            held = 0 if scratch is None else scratch.memory.numel()
+            scratch = _SCRATCH[device, stream] = cls(max(nbytes, held), device)
+        return scratch
+
+    def views(self, made: Sequence[tuple]) -> tuple[torch.Tensor, ...]:
+        """Contiguous tensors of these (shape, dtype), one after another from the start of the allocation."""
+        views, offset = [], 0
+        for shape, dtype in made:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            views.append(self.memory[offset:offset + nbytes].view(dtype).view(shape))
+            offset += _aligned(nbytes)
+        return tuple(views)
+
+
+def capture(launch: Callable, *args) -> torch.cuda.CUDAGraph:
+    """launch(*args) recorded, not run, into a CUDA graph, on a side stream after the current stream's work.
+    The launches must allocate nothing and be compiled already (run once before: a capture records launches,
+    it cannot load a module for one)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch(*args)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
+
+
+class Replay:
+    """launch(*buffers) captured for `device` (the current one) and `stream` (the raw handle of its current
+    stream), its buffers (`made`: (shape, dtype) each) carved from that stream's Scratch; a call
+    replays it on the current stream and returns the buffers."""
+
+    def __init__(self, launch: Callable, made: Sequence[tuple], device: torch.device, stream: int):
+        self.key = (device, stream)
+        self.scratch = Scratch.of(*self.key, Scratch.size(made))
+        self.buffers = self.scratch.views(made)
+        self.graph = capture(launch, *self.buffers)
+
+    @property
+    def current(self) -> bool:
+        """Whether its Scratch is still its stream's (a larger one replaces it): only then may it replay."""
+        return _SCRATCH.get(self.key) is self.scratch
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        self.graph.replay()
+        return self.buffers
