@@ -52,8 +52,8 @@ import torch.distributed as dist
 from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
-from moe_ep.timing import (Progress, benchmark_args, call_after_barrier_us, environment, finish,
-                           interleaved_median_us, markdown_table, row_line)
+from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
+                           finish, graph_times, interleaved_median_us, markdown_table, row_line)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -65,7 +65,6 @@ SHAPES = [(4096, 8192, 28672), (8192, 8192, 28672), (16384, 8192, 8192), (2048, 
           (128, 8192, 28672), (512, 8192, 28672)]
 WARMUP = 5                  # untimed calls of each column before its row's timed rounds
 DECODE_ROWS = 512           # GEMM-AR runs at M <= this: the row-parallel layer without sequence parallelism
-GRAPH_CALLS = 10            # back-to-back calls in each CUDA graph of the graph columns
 
 
 def torch_fused_ops():
@@ -93,43 +92,6 @@ def torch_fused_ops():
     ops = torch.ops.symm_mem
     return (lambda a, w: ops.fused_all_gather_matmul(a, [w], 0, name, return_A=False)[1][0],
             lambda a, w: ops.fused_matmul_reduce_scatter(a, w, "sum", 0, name)), backend
-
-
-def failure(e: Exception) -> str:
-    """What a column records for a call that raised: 'failed: <type>: <its message's first line>'."""
-    return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
-
-
-def graph_times(timed: list, iters: int) -> dict:
-    """`<x>_graph_us` of each (`<x>_us`, fn) of `timed` (warmed up): a CUDA graph of GRAPH_CALLS back-to-back
-    calls of fn() captured for each, on every rank in the same order, the replays timed as the eager calls
-    (interleaved, each after a barrier), each median over GRAPH_CALLS. A column whose capture failed on any
-    rank is not replayed: it holds the failure (another rank's with '(rank R)'). The graphs are freed on return."""
-    graphs, failed = {}, {}
-    for key, fn in timed:
-        name = key.removesuffix("_us") + "_graph_us"
-        graph, error = torch.cuda.CUDAGraph(), None
-        try:
-            with torch.cuda.graph(graph):
-                try:
-                    for _ in range(GRAPH_CALLS):
-                        fn()
-                except Exception as e:    # the call that spoiled the capture, not the capture's end, which raises too
-                    error = e
-                    raise
-            graphs[name] = graph
-        except Exception as e:            # a path that cannot be captured is reported, not fatal
-            failed[name] = failure(error or e)
-            torch.cuda.synchronize()
-        dist.barrier()                    # every rank after every capture: the collectives stay in step
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failed)
-    for rank, theirs in enumerate(everyone):
-        for name, why in theirs.items():
-            graphs.pop(name, None)
-            failed.setdefault(name, f"{why} (rank {rank})")
-    medians = interleaved_median_us([graph.replay for graph in graphs.values()], iters, 1, call_after_barrier_us)
-    return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
 
 
 def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):

@@ -1,7 +1,7 @@
 """Measuring on the GPU, for the benchmarks, the tutorials, EPAllToAll.measure_crossover and AsyncTP's
 choice of path: medians of CUDA-event times (warm-up excluded; interleaved where callables are compared),
-the options and setup every benchmark shares, where it ran, its rows as they come (with a heartbeat while
-one takes long) and its table."""
+the same in CUDA graphs of back-to-back calls, the options and setup every benchmark shares, where it ran,
+its rows as they come (with a heartbeat while one takes long) and its table."""
 import argparse
 import datetime
 import os
@@ -68,6 +68,46 @@ def round_order(r: int, n: int) -> list[int]:
     """The order of round `r` of n interleaved callables: a permutation drawn from a generator seeded by r,
     the same on every rank (callables that are collectives must run in one order everywhere)."""
     return random.Random(r).sample(range(n), n)
+
+
+GRAPH_CALLS = 10            # back-to-back calls in each CUDA graph of graph_times
+
+
+def failure(e: Exception) -> str:
+    """What a benchmark's column records for a call that raised: 'failed: <type>: <its message's first line>'."""
+    return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+
+
+def graph_times(timed: list, iters: int) -> dict:
+    """`<x>_graph_us` of each (`<x>_us`, fn) of `timed` (warmed up): a CUDA graph of GRAPH_CALLS back-to-back
+    calls of fn() captured for each, on every rank in the same order, the replays timed as the eager calls
+    (interleaved, each after a barrier), each median over GRAPH_CALLS. A column whose capture failed on any
+    rank is not replayed: it holds the failure (another rank's with '(rank R)'). The graphs are freed on return."""
+    graphs, failed = {}, {}
+    for key, fn in timed:
+        name = key.removesuffix("_us") + "_graph_us"
+        graph, error = torch.cuda.CUDAGraph(), None
+        try:
+            with torch.cuda.graph(graph):
+                try:
+                    for _ in range(GRAPH_CALLS):
+                        fn()
+                except Exception as e:    # the call that spoiled the capture, not the capture's end, which raises too
+                    error = e
+                    raise
+            graphs[name] = graph
+        except Exception as e:            # a path that cannot be captured is reported, not fatal
+            failed[name] = failure(error or e)
+            torch.cuda.synchronize()
+        dist.barrier()                    # every rank after every capture: the collectives stay in step
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    for rank, theirs in enumerate(everyone):
+        for name, why in theirs.items():
+            graphs.pop(name, None)
+            failed.setdefault(name, f"{why} (rank {rank})")
+    medians = interleaved_median_us([graph.replay for graph in graphs.values()], iters, 1, call_after_barrier_us)
+    return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
 
 
 def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None,

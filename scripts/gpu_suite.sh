@@ -14,16 +14,17 @@
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
 # multi_bench the benchmarks at every GPU, one at a time, alone: multi_bench_ep (DeepEP's, then EP with the put
 #             path beside the pointer path, DeepEP merged in), then multi_bench_layers (EP in each payload format
-#             at 128 and 4096 tokens, async TP, the MoE layer). Run multi, then multi_bench on the same machine
-#             (together they took over ten minutes on 4 x H200; each half is meant for a call of ten)
+#             at 128 and 4096 tokens, async TP, the TP layers in a decode step, the MoE layer). Run multi, then
+#             multi_bench on the same machine (together they took over ten minutes on 4 x H200; each half is meant
+#             for a call of ten)
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
 # engines     the vLLM and SGLang GPU tests                    tutorials   tutorials 01-04 and 06
 # sweep8      the dispatch/combine sweep at 8 ranks
 # deepep      DeepEP's build (its V1 source in .deepep/, with .deepep/build.sh) and its benchmark beside ours
-# bench_ep, bench_moe, bench_gemm, bench_tp: each benchmark's default run (at most 2 minutes on one H200; EP's
-#             with the put path beside the pointer path, which one GPU, a world of one, does not time);
+# bench_ep, bench_moe, bench_gemm, bench_tp, bench_tp_layers: each benchmark's default run (at most 2 minutes on
+#             one H200; EP's with the put path beside the pointer path, which one GPU, a world of one, does not time);
 # bench_full: their long sweeps (bench_all_to_all --sweep --breakdown, bench_gemm --full, ...).
 #
 # With one GPU the multi-rank tests run in shared-GPU mode (2 and 4 ranks unless MOE_EP_TEST_WORLDS says
@@ -42,7 +43,7 @@
 set -uo pipefail
 usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench multi_bench_ep
   multi_bench_layers tests_ep tests_moe tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep
-  bench_moe bench_gemm bench_tp bench_full"
+  bench_moe bench_gemm bench_tp bench_tp_layers bench_full"
 out="${1:?$usage}"
 shift
 parts="${*:-quick}"
@@ -234,13 +235,15 @@ for part in $parts; do
       deepep_bench
       step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50 ;;
     multi_bench_layers)
-      # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33 s) and the MoE
-      # layer's (115 s), each alone on the machine; the formats' run writes into OUTDIR/formats.
+      # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33 s), the TP layers'
+      # in a decode step (not yet run; 25-40 s estimated on 4 GPUs) and the MoE layer's (115 s), each alone on the
+      # machine; the formats' run writes into OUTDIR/formats.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       mkdir -p "$out/formats"
       step bench_formats 360 bash launch.sh benchmarks/bench_all_to_all.py --out "$out/formats" --tokens 128,4096 \
         --formats --iters 50
       step bench_tp 120 bash launch.sh benchmarks/bench_tp.py --out "$out"
+      step bench_tp_layers 120 bash launch.sh benchmarks/bench_tp_layers.py --out "$out"
       step bench_moe_layer 120 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     deepep) deepep_build step
             deepep_bench ;;
@@ -263,6 +266,7 @@ for part in $parts; do
     bench_moe) step bench_moe_layer 150 bash launch.sh benchmarks/bench_moe_layer.py --out "$out" ;;
     bench_gemm) step bench_gemm 150 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --out "$out" ;;
     bench_tp) step bench_tp 150 bash launch.sh benchmarks/bench_tp.py --out "$out" ;;
+    bench_tp_layers) step bench_tp_layers 150 bash launch.sh benchmarks/bench_tp_layers.py --out "$out" ;;
     bench_full) step bench_all_to_all_full 540 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --sweep \
                   --breakdown
                 step bench_gemm_full 540 bash launch.sh --nproc 1 benchmarks/bench_gemm.py --full --out "$out" ;;

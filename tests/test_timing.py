@@ -1,5 +1,5 @@
-"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, --tokens
-and the integer options."""
+"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, a failed call's
+entry, --tokens and the integer options."""
 import argparse
 import re
 import sys
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from moe_ep.timing import (Progress, benchmark_args, interleaved_median_us, markdown_table, round_order, row_line,
-                           token_counts)
+from moe_ep.timing import (Progress, benchmark_args, failure, interleaved_median_us, markdown_table, round_order,
+                           row_line, token_counts)
 
 
 def test_heartbeat_names_a_block_that_runs_long(capsys):
@@ -45,6 +45,11 @@ def test_row_line_and_table_format_alike():
     assert row_line(row, ["shape", "M", "cublas_us", "pointer_us", "tma_us"]) == \
         "shape a tp2 AG, M 4096, cublas_us 512, tma_us ValueError: no"
     assert markdown_table([row], ["shape", "cublas_us", "pointer_us"]).splitlines()[-1] == "| a tp2 AG | 512.3 | - |"
+
+
+def test_failure_names_the_error_and_its_first_line():
+    assert failure(ValueError("M=3 exceeds max_rows\nconstruct it")) == "failed: ValueError: M=3 exceeds max_rows"
+    assert failure(RuntimeError()) == "failed: RuntimeError: "
 
 
 def test_token_counts():
