@@ -7,8 +7,8 @@
 #             mode on one GPU; elastic EP's at 4), the sweeps at a reduced size, and the one-GPU benchmarks
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
 #             two model shapes at their decode and prefill rows). On one H200 with a warm compile cache (see
-#             below) the test lanes end at 290-310 s and the three benchmarks take 70-80 s: 400-432 s in all
-#             (benchmarks/NOTES.md, "The gate runs of 2026-11-27, early").
+#             below) the test lanes end at 290-335 s and the three benchmarks take 70-80 s: 400-460 s in all
+#             (benchmarks/NOTES.md, "The gate runs of 2026-11-27, early" and "morning").
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
@@ -235,9 +235,9 @@ for part in $parts; do
       deepep_bench
       step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50 ;;
     multi_bench_layers)
-      # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33 s), the TP layers'
-      # in a decode step (not yet run; 25-40 s estimated on 4 GPUs) and the MoE layer's (115 s), each alone on the
-      # machine; the formats' run writes into OUTDIR/formats.
+      # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33-35 s), the TP
+      # layers' in a decode step (26 s on 2 x H200) and the MoE layer's (30-115 s), each alone on the machine; the
+      # formats' run writes into OUTDIR/formats.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       mkdir -p "$out/formats"
       step bench_formats 360 bash launch.sh benchmarks/bench_all_to_all.py --out "$out/formats" --tokens 128,4096 \
