@@ -45,11 +45,10 @@ from moe_ep import TPMLP, AsyncTP, RowParallelLinear, collectives
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure, finish,
                            graph_times, interleaved_median_us, markdown_table, row_line)
 
-# (hidden, intermediate) of each model's MLP. The run's time on four H100s or H200s (estimated, not yet measured):
-# startup with NCCL, NVSHMEM and AsyncTP's buffers 15-25 s; per model the MLP made on the GPU (under 1 s); 24 rows,
-# each two first calls, 2 x (WARMUP + 50) eager calls after barriers (under 0.1 s) and two graphs of 10 calls
-# captured and replayed 51 times each (70B's MLP at M = 64 and tp 4 reads 350 MB of weights a call, about 100 us:
-# 0.2 s), so 0.2-0.5 s a row, 5-12 s in all. 25-40 s.
+# (hidden, intermediate) of each model's MLP. The default run took 26 s on 2 x H200 and 29 s on 4 x H200 with the
+# launch (benchmarks/NOTES.md, "The gate runs of 2026-11-27, morning"): startup with NCCL, NVSHMEM and AsyncTP's
+# buffers most of it; then per row two first calls, 2 x (WARMUP + 50) eager calls after barriers and two graphs of
+# 10 calls captured and replayed 51 times each.
 MODELS = {"llama3-70b": (8192, 28672), "llama3-8b": (4096, 14336)}
 ROWS = (1, 4, 16, 64)           # M, the rows of a decode step on every rank
 WARMUP = 5                      # untimed calls of each before a row's timed rounds

@@ -15,8 +15,8 @@
 # multi_bench the benchmarks at every GPU, one at a time, alone: multi_bench_ep (DeepEP's, then EP with the put
 #             path beside the pointer path, DeepEP merged in), then multi_bench_layers (EP in each payload format
 #             at 128 and 4096 tokens, async TP, the TP layers in a decode step, the MoE layer). Run multi, then
-#             multi_bench on the same machine (together they took over ten minutes on 4 x H200; each half is meant
-#             for a call of ten)
+#             multi_bench on the same machine (together they took over ten minutes on 4 x H200; each half takes
+#             under ten)
 # tests_ep    dispatch/combine and the NVSHMEM wrappers        tests_moe   MoE layer, grouped GEMM, tile loop, quant
 # elastic     elastic EP alone: ranks killed at 4 ranks, the survivors go on; calls back to back
 # tests_tp    async TP                                         tests_cpu   the tests not marked gpu (CI runs those)
