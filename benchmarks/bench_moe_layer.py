@@ -8,7 +8,8 @@ grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
 split into dispatch / experts (launched) / combine; the forward eager (its experts replayed from their
-CUDA graph, EPMoE's graph_experts; forward_launched_us: launched at every forward) and the whole forward
+CUDA graph, EPMoE's graph_experts; forward_launched_us: launched at every forward; the two interleaved; at
+the default max_tokens the experts' buffers pass graphs.MAX_BYTES and both launch) and the whole forward
 replayed from a CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
 once, and the flops of the rows this rank received, each at the datasheet peak, timing.floor_us): the
 NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is
@@ -26,6 +27,7 @@ Medians of CUDA-event times. Each row is printed as it is measured (a line, and 
 every 30 s while one takes longer); moe_layer.json is rewritten as rows come in; a baseline that
 fails is recorded with its error.
 """
+import functools
 import inspect
 import json
 import os
@@ -36,8 +38,8 @@ import torch.distributed as dist
 from moe_ep import EPMoE, quantize_fp8, random_topk
 from moe_ep.kernels.grouped_gemm import grouped_gemm
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
-                           row_line)
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, interleaved_median_us,
+                           markdown_table, median_us, row_line)
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
@@ -90,10 +92,17 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
                 times["fp8_experts_rel_error"] = ((out - exact)[counted].float().norm()
                                                   / exact[counted].float().norm()).item()
             progress.step("forward")
-            times["forward_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
-            layer.graph_experts = False          # the experts launched at every forward, not replayed
-            times["forward_launched_us"] = median_us(lambda: layer(x, ids, weights), iters, 3)
-            layer.graph_experts = True
+            for _ in range(4):                   # each of the all-to-all's two slots: a launch, then a capture
+                layer(x, ids, weights)
+
+            def forward(replay: bool):           # eager, the experts replayed or launched (graph_experts)
+                layer.graph_experts = replay
+                return layer(x, ids, weights)
+            try:
+                times["forward_us"], times["forward_launched_us"] = interleaved_median_us(
+                    [functools.partial(forward, True), functools.partial(forward, False)], iters, 1)
+            finally:
+                layer.graph_experts = True
             if backend == "nvshmem":
                 progress.step("CUDA graph")
                 graph = torch.cuda.CUDAGraph()

@@ -9,10 +9,10 @@ what those operands hold (counts read on the GPU) can be captured once and repla
     gate_up, out = replay()          # launch(gate_up, out) as captured, on what its operands hold now
 
 What the launches write lives in the `Scratch` of the device and the stream the graph was captured for:
-one allocation, as large as the largest set of buffers asked of it, shared by every Replay on that stream.
-Work on one stream runs in order, so whatever reads a replay's buffers (the next kernel on the stream)
-has read them before another replay on the stream writes over them: a caller that keeps them past the
-next replay on the stream copies them first.
+one allocation, as large as the largest set of buffers asked of it (at most MAX_BYTES: larger sets are not
+replayed), shared by every Replay on that stream and held while one does. Work on one stream runs in order,
+so whatever reads a replay's buffers (the next kernel on the stream) has read them before another replay on
+the stream writes over them: a caller that keeps them past the next replay on the stream copies them first.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-ALIGN = 256     # bytes: each buffer of a Scratch starts at a multiple (TMA descriptors need 16)
+ALIGN = 256          # bytes: each buffer of a Scratch starts at a multiple (TMA descriptors need 16)
+MAX_BYTES = 1 << 30  # the most one Scratch holds: launches whose buffers take more are launched, not replayed
 
 # (device, stream) -> its Scratch, while a Replay holds it (and held no longer)
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -63,6 +64,18 @@ class Scratch:
         return tuple(views)
 
 
+def capturing() -> bool:
+    """Whether work on the current stream is being captured into a CUDA graph (torch.cuda's
+    is_current_stream_capturing without its wrapper: this runs in every eager forward)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of `device`'s current stream (torch.cuda.current_stream(device).cuda_stream, without
+    making the Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
 def capture(launch: Callable, *args) -> torch.cuda.CUDAGraph:
     """launch(*args) recorded, not run, into a CUDA graph, on a side stream after the current stream's work.
     The launches must allocate nothing and be compiled already (run once before: a capture records launches,
@@ -83,7 +96,7 @@ def capture(launch: Callable, *args) -> torch.cuda.CUDAGraph:
 class Replay:
     """launch(*buffers) captured for `device` (the current one) and `stream` (the raw handle of its current
     stream), its buffers (`made`: (shape, dtype) each) carved from that stream's Scratch; a call
-    replays it on the current stream and returns the buffers."""
+    replays it on the current stream, which must be `stream`, and returns the buffers."""
 
     def __init__(self, launch: Callable, made: Sequence[tuple], device: torch.device, stream: int):
         self.key = (device, stream)

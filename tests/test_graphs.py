@@ -1,11 +1,15 @@
-"""moe_ep.graphs: the scratch that replayed graphs write into (CPU: how it is carved and replaced); the
-capture and replay themselves run on GPUs, in the MoE layer's eager forwards (tests/test_moe_layer.py)."""
+"""moe_ep.graphs: the scratch that replayed graphs write into (how it is carved and replaced), and when the MoE
+layer's plans launch, capture, replay or capture again (with CUDA's calls faked on CPU); the capture and replay
+themselves run on GPUs, in the MoE layer's eager forwards (tests/test_moe_layer.py)."""
 import gc
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from moe_ep import graphs
 from moe_ep.graphs import ALIGN, Scratch
+from moe_ep.layers.moe import _Planned
 
 MADE = [((3, 5), torch.bfloat16), ((7, 0), torch.float32), ((2, 3, 4), torch.float8_e4m3fn), ((9,), torch.float32)]
 
@@ -30,9 +34,95 @@ def test_a_larger_request_replaces_the_scratch_and_the_old_one_lives_while_held(
     assert Scratch.of(device, stream, 512) is first                 # large enough: the same
     second = Scratch.of(device, stream, 4096)
     assert second is not first and second.memory.numel() == 4096 and first.memory.numel() == 1000
-    assert Scratch.of(device, stream, 10) is second and Scratch.of(device, stream + 1, 10) is not second
+    other = Scratch.of(device, stream + 1, 10)                        # another stream's: apart from this one's
+    assert Scratch.of(device, stream, 10) is second and Scratch.of(device, stream + 1, 5) is other
     assert Scratch.of(device, stream, 3000).memory.numel() == 4096    # never smaller than the one it replaces
     del second
     gc.collect()
     assert graphs._SCRATCH.get((device, stream)) is None               # nothing holds it: gone
     assert Scratch.of(device, stream, 10).memory.numel() == 10
+
+
+class FakeExperts:
+    """What _Planned uses of a GatedMLP: its device, the buffers a call writes (`made`), launch(*buffers) and a
+    call that launches into new buffers. A launch writes its ordinal into out."""
+
+    def __init__(self, rows=4):
+        self.device, self.launches = torch.device("cpu"), 0
+        self.made = (((rows, 3), torch.float32), ((rows,), torch.float32))
+
+    def launch(self, scratch_rows, out):
+        self.launches += 1
+        return out.fill_(self.launches)
+
+    def __call__(self):
+        return self.launch(*(torch.empty(shape, dtype=dtype) for shape, dtype in self.made))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """graphs' CUDA calls on CPU: the stream in `state["stream"]`, capturing while `state["capturing"]`, and a
+    capture that records the launch and replays it by calling it again (or raises `state["fail"]`)."""
+    state = {"stream": 1000, "capturing": False, "fail": None, "captures": 0}
+
+    def capture(launch, *args):
+        if state["fail"]:
+            raise state["fail"]
+        state["captures"] += 1
+        return SimpleNamespace(replay=lambda: launch(*args))
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(graphs, "capturing", lambda: state["capturing"])
+    monkeypatch.setattr(graphs, "current_stream", lambda device: state["stream"])
+    return state
+
+
+def test_a_plan_launches_first_then_replays_on_the_stream_scratch(fake_cuda):
+    experts = FakeExperts()
+    plan = _Planned(experts)
+    first = plan(True)                               # the first call launches: compiles and loads the kernels
+    assert fake_cuda["captures"] == 0 and first.eq(1).all()
+    second = plan(True)                              # captured, replayed: out is the scratch's
+    scratch = graphs._SCRATCH[experts.device, fake_cuda["stream"]]
+    assert fake_cuda["captures"] == 1 and second.eq(2).all()
+    assert second.untyped_storage().data_ptr() == scratch.memory.untyped_storage().data_ptr()
+    third = plan(True)
+    assert fake_cuda["captures"] == 1 and third is second and third.eq(3).all()
+    launched = plan(False)                           # run_experts: a tensor of its own
+    assert launched is not second and launched.eq(4).all() and second.eq(3).all()
+    fake_cuda["capturing"] = True                    # inside the caller's capture: launched
+    assert plan(True) is not second and fake_cuda["captures"] == 1
+
+
+def test_a_plan_captures_again_on_another_stream_and_after_its_scratch_is_replaced(fake_cuda):
+    experts = FakeExperts()
+    plan = _Planned(experts)
+    plan(True)
+    out = plan(True)
+    fake_cuda["stream"] += 1                         # another stream: a graph and a scratch of its own
+    other = plan(True)
+    assert fake_cuda["captures"] == 2 and len(plan.replays) == 2
+    assert other.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    fake_cuda["stream"] -= 1
+    larger = Scratch.of(experts.device, fake_cuda["stream"], 1 << 20)   # a larger layer's replay replaced it
+    again = plan(True)
+    assert fake_cuda["captures"] == 3
+    assert again.untyped_storage().data_ptr() == larger.memory.untyped_storage().data_ptr()
+    assert plan(True) is again and fake_cuda["captures"] == 3
+
+
+def test_a_failed_capture_warns_once_and_the_stream_launches(fake_cuda):
+    experts = FakeExperts()
+    plan = _Planned(experts)
+    plan(True)
+    fake_cuda["fail"] = RuntimeError("operation not permitted when stream is capturing\nmore")
+    with pytest.warns(RuntimeWarning, match="could not be captured .RuntimeError: operation not permitted"):
+        assert plan(True).eq(2).all()                # launched: the forward goes on
+    fake_cuda["fail"] = None
+    assert plan(True).eq(3).all() and fake_cuda["captures"] == 0 and plan.replays == {fake_cuda["stream"]: False}
+
+
+def test_buffers_past_the_cap_are_launched(fake_cuda, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_BYTES", Scratch.size(FakeExperts().made) - 1)
+    plan = _Planned(FakeExperts())
+    assert [int(plan(True)[0]) for _ in range(3)] == [1, 2, 3] and fake_cuda["captures"] == 0

@@ -385,7 +385,8 @@ def _eager_replays(rank, world):
     all-to-all's buffers: bit for bit what launching the kernels gives, on fresh tokens at every forward;
     for two layers, FP8 and bf16 experts (the bf16 intermediate is the larger), whose replays share one
     scratch (the bf16 layer's capture makes it larger and the FP8 layer's graph is captured again on it);
-    on a second stream, with a scratch of its own."""
+    on a second stream, with a scratch of its own; and interleaved with the replays of a caller's CUDA graph of
+    the layer's forward."""
     from moe_ep import graphs
     g = torch.Generator().manual_seed(rank)
     layers = [EPMoE(128, 128, 8, 2, max_tokens=16, fp8_experts=fp8, device="cuda") for fp8 in (True, False)]
@@ -417,6 +418,22 @@ def _eager_replays(rank, world):
         torch.cuda.current_stream().wait_stream(side)
         assert len({key[1] for key in graphs._SCRATCH.keys()}) == 2
         forwards(2)
+        # The caller's own CUDA graph of a forward, captured once the layer replays its experts (inside it they
+        # are launched): its replays and eager forwards interleaved, each what launching gives.
+        layer, launched = layers[0], plain[0]
+        x = torch.randn(16, 128, generator=g).to("cuda", torch.bfloat16)
+        ids, weights = random_topk(16, 8, 2, "cuda", g)
+        caller = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(caller):
+            y = layer(x, ids, weights)
+        for step in range(3):
+            x.copy_(torch.randn(16, 128, generator=g))
+            new_ids, new_weights = random_topk(16, 8, 2, "cuda", g)
+            ids.copy_(new_ids)
+            weights.copy_(new_weights)
+            caller.replay()
+            assert torch.equal(y, launched(x, ids, weights)), f"the caller's graph, replay {step}"
+            forwards(1)
     for layer in layers + plain:
         layer.destroy()
 

@@ -25,14 +25,15 @@ the token is the caller's choice, and the layer makes none of them.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import runtime
+from .. import graphs, runtime
 from ..ep import EPAllToAll, check_config
-from ..graphs import Replay
+from ..graphs import Replay, Scratch
 from ..kernels.grouped_gemm import ACTIVATIONS, DECODE_ROWS, WEIGHT_BLOCK, GatedMLP, gated_mlp
 from ..kernels.quant import quantize_weights_fp8
 
@@ -80,12 +81,15 @@ class EPMoE(nn.Module):
             forward): the layer goes on without lost ranks, y leaves out their experts without
             renormalizing (see the module's docstring), and after each forward ``lost`` is its [T, K] bool
             report over the flattened tokens, valid until the forward after next (None unless elastic).
-        graph_experts: an eager forward on a GPU replays the local experts' three launches as a CUDA graph
-            captured at the second forward on the same buffers (``moe_ep.graphs``): one host call where the
-            launches' Python takes longer than the kernels at decode sizes. What they write lives in one
-            allocation per GPU and stream, shared by every such layer, as large as the largest layer's
-            intermediates and output. False launches them at every forward. A forward captured by the
-            caller (a CUDA graph of the model) launches them either way.
+        graph_experts: an eager forward on a GPU (nvshmem backend: its receive buffers stay where they are)
+            replays the local experts' three launches as a CUDA graph captured at the second forward on the
+            same buffers (``moe_ep.graphs``): one host call where the launches' Python takes longer than the
+            kernels at decode sizes. What they write lives in one allocation per GPU and stream, shared by
+            every such layer and held while they live, as large as the largest layer's intermediates and
+            output at capacity (E_loc x W * max_tokens rows: 86 MB at Qwen3-30B-A3B's shape on 4 ranks and
+            max_tokens=128); a layer whose buffers would take more than ``graphs.MAX_BYTES`` (1 GiB)
+            launches them. False launches them at every forward. A forward captured by the caller (a CUDA
+            graph of the model) launches them either way.
         dtype, device: of the weights (and so of the tokens the layer takes).
     """
 
@@ -245,23 +249,35 @@ class EPMoE(nn.Module):
 
 class _Planned:
     """run_experts' kernels on one set of operands (GatedMLP) and, for the layer's forwards, their CUDA graph on
-    each stream (moe_ep.graphs.Replay), captured at the second call that may replay: the first compiles and
-    loads the kernels, which a capture cannot. A forward inside a caller's own capture launches them."""
+    each stream (moe_ep.graphs.Replay): captured at the first call that may replay once the kernels have been
+    launched (and so compiled and loaded, which a capture cannot do), and again when its stream's scratch was
+    replaced by a larger one. Launched instead: inside a caller's own capture, where the buffers would take more
+    than graphs.MAX_BYTES, and on a stream where a capture failed (with a warning)."""
 
     def __init__(self, mlp: GatedMLP):
-        self.mlp, self.ran, self.replays = mlp, False, {}
+        self.mlp, self.ran = mlp, False
+        self.replays: dict[int, Replay | bool] = {}     # stream -> its graph, or False: launch there
+        self.replayable = Scratch.size(mlp.made) <= graphs.MAX_BYTES
 
     def __call__(self, replay: bool) -> torch.Tensor:
-        if replay and not torch._C._cuda_isCurrentStreamCapturing():
-            stream = torch._C._cuda_getCurrentRawStream(self.mlp.device.index)
+        if replay and self.replayable and not graphs.capturing():
+            stream = graphs.current_stream(self.mlp.device)
             graph = self.replays.get(stream)
-            if graph is None or not graph.current:
-                graph = self.replays[stream] = Replay(self.mlp.launch, self.mlp.made, self.mlp.device, stream) \
-                    if self.ran else None
-            if graph is not None:
+            if graph is None or (graph is not False and not graph.current):
+                graph = self.replays[stream] = self._capture(stream) if self.ran else None
+            if graph:
                 return graph()[-1]
         self.ran = True
         return self.mlp()
+
+    def _capture(self, stream: int) -> Replay | bool:
+        try:
+            return Replay(self.mlp.launch, self.mlp.made, self.mlp.device, stream)
+        except RuntimeError as e:    # a capture CUDA refused, or no memory for the scratch: launch, and go on
+            first_line = (str(e).splitlines() or [""])[0]
+            warnings.warn(f"EPMoE: the experts' CUDA graph could not be captured ({type(e).__name__}: {first_line}); "
+                          "they are launched at every forward on this stream", RuntimeWarning, stacklevel=4)
+            return False
 
 
 def _kernel_activation(activation) -> str | None:
