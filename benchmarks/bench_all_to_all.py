@@ -66,7 +66,7 @@ from moe_ep.formats import FORMATS
 from moe_ep.launcher import BoundKernel
 from moe_ep.routing import hbm_bytes, link_bytes
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, link_floor_us, markdown_table,
-                           median_us, row_line)
+                           median_us, row_line, write_report)
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
@@ -632,9 +632,7 @@ def main():
             text += "\nBreakdown (device timestamps, medians):\n\n" + "\n".join(f"    {line}" for line in lines) + "\n"
         if args.sweep:
             plot(rows, os.path.join(args.out, f"latency_{world}ranks.png"))
-        with open(os.path.join(args.out, f"all_to_all_{world}ranks.md"), "w") as f:
-            f.write(text)
-        print(text)
+        write_report(args, f"all_to_all_{world}ranks.md", text)
     finish(args)
 
 

@@ -53,7 +53,7 @@ from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
-                           finish, graph_times, interleaved_median_us, markdown_table, row_line)
+                           finish, graph_times, interleaved_median_us, markdown_table, row_line, write_report)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -239,9 +239,7 @@ def main():
     if rank == 0:
         text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
                 f"times in us (rank 0)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n")
-        with open(os.path.join(args.out, "tp.md"), "w") as f:
-            f.write(text)
-        print(text)
+        write_report(args, "tp.md", text)
     tp.destroy()
     finish(args)
 

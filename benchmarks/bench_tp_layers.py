@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from moe_ep import TPMLP, AsyncTP, RowParallelLinear, collectives
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure, finish,
-                           graph_times, interleaved_median_us, markdown_table, row_line)
+                           graph_times, interleaved_median_us, markdown_table, row_line, write_report)
 
 # (hidden, intermediate) of each model's MLP. The default run took 26 s on 2 x H200 and 29 s on 4 x H200 with the
 # launch (benchmarks/NOTES.md, "The gate runs of 2026-11-27, morning"): startup with NCCL, NVSHMEM and AsyncTP's
@@ -179,9 +179,7 @@ def main():
                 f"communicator (cuBLAS, NCCL)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n\nSlowest against plain: "
                 f"{slowest(rows, 'speedup')}; {slowest(rows, 'graph_speedup')}. Outputs disagree in {mismatched} "
                 f"rows (allclose, rtol {TOLERANCE}, atol {TOLERANCE} x max |plain|).\n")
-        with open(os.path.join(args.out, "tp_layers.md"), "w") as f:
-            f.write(text)
-        print(text)
+        write_report(args, "tp_layers.md", text)
     comm.destroy()
     finish(args)
 

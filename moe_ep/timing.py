@@ -152,6 +152,14 @@ def token_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def write_report(args: argparse.Namespace, name: str, text: str) -> None:
+    """A benchmark's report `text` (its tables) written to `name` under --out and printed (by the rank that
+    calls it: rank 0 of a distributed run)."""
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(text)
+    print(text)
+
+
 def finish(args: argparse.Namespace) -> None:
     """Rank 0 prints the benchmark's wall time since ``benchmark_args``; then torch.distributed ends."""
     if on_rank0():

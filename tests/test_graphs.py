@@ -72,7 +72,7 @@ def fake_cuda(monkeypatch):
         return SimpleNamespace(replay=lambda: launch(*args))
 
     monkeypatch.setattr(graphs, "capture", capture)
-    monkeypatch.setattr(graphs, "capturing", lambda: state["capturing"])
+    monkeypatch.setattr(graphs, "capturing", lambda cuda: state["capturing"])
     monkeypatch.setattr(graphs, "current_stream", lambda device: state["stream"])
     return state
 

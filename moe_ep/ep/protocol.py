@@ -34,19 +34,12 @@ import torch
 import triton
 
 from ..formats import PayloadFormat
+from ..graphs import capturing
 from ..launcher import BoundKernel
 from ..runtime import device_library
 from ..shmem import INTERPRETING
 
 MODES = ("auto", "decode", "prefill")     # dispatch's choice of kernels (EPProtocol)
-
-
-def capturing(cuda: bool) -> bool:
-    """Whether work on the current stream of a caller's device is being captured into a CUDA graph (what
-    torch.cuda.is_current_stream_capturing asks, without its wrapper: this runs in every eager call); `cuda`:
-    whether that device is a GPU (asked once, ``EPProtocol.cuda``: torch.device.type takes 0.2 us a read),
-    False where nothing is captured."""
-    return cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def crossover_tokens(sizes, decode_us, prefill_us) -> int:

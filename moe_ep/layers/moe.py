@@ -260,7 +260,7 @@ class _Planned:
         self.replayable = Scratch.size(mlp.made) <= graphs.MAX_BYTES
 
     def __call__(self, replay: bool) -> torch.Tensor:
-        if replay and self.replayable and not graphs.capturing():
+        if replay and self.replayable and not graphs.capturing(True):
             stream = graphs.current_stream(self.mlp.device)
             graph = self.replays.get(stream)
             if graph is None or (graph is not False and not graph.current):
