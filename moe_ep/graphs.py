@@ -22,7 +22,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 ALIGN = 256          # bytes: each buffer of a Scratch starts at a multiple (TMA descriptors need 16)
-MAX_BYTES = 1 << 30  # the most one Scratch holds: launches whose buffers take more are launched, not replayed
+# The most one Scratch holds: launches whose buffers take more are launched, not replayed. The experts' buffers
+# at decode capacities fit (DeepSeek-V3 at 8 ranks and max_tokens 128: 570 MB; Qwen3-30B-A3B at 4 ranks: 86 MB);
+# at EPMoE's default max_tokens (4096) they take GBs, which launching borrows per call instead of holding.
+MAX_BYTES = 1 << 30
 
 # (device, stream) -> its Scratch, while a Replay holds it (and held no longer)
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
