@@ -24,15 +24,18 @@ state) and whatever a call leaves for the next fall on all alike:
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
   never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its
               per-call checks), what `auto` keeps at small shapes: `never_speedup` under 1 is that method's cost
-  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice, which
-              its first call makes by timing the candidate paths: `auto_first_call_ms` is that call's
-              host time, kernels already compiled, and `auto_timed_*_us` the times it chose by)
-At decode sizes (M <= `--graph-rows`, default 512; 0: none) each column is also timed in a CUDA graph,
-as inference engines run decode: `<x>_graph_us` (plain_graph_us, fused_graph_us, ...) is the median of
-a graph of GRAPH_CALLS (10) back-to-back calls, captured after the eager warm-up (so auto has chosen its
-path), its replays timed as the eager calls are (after a barrier, interleaved), over GRAPH_CALLS: no
-host time, and the ranks' skew after the barrier shared by 10 calls. A column whose capture fails on any
-rank holds the failure, "failed: <type>: <message>" (another rank's with "(rank R)"), and is not replayed.
+  auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice for eager
+              calls, which its first call makes by timing the candidate paths, and `auto_graph_path` its
+              choice for calls captured into a CUDA graph, made by the same call from replays of graphs of
+              them: `auto_first_call_ms` is that call's host time, kernels already compiled, and
+              `auto_timed_*_us` and `auto_graph_timed_*_us` the times it chose by)
+At decode sizes (M <= `--graph-rows`, default 512; 0: none) each column is also timed in a CUDA graph, as
+inference engines run decode: `<x>_graph_us` (plain_graph_us, fused_graph_us, ...) is the median of a graph of
+GRAPH_CALLS (10) back-to-back calls, captured after the eager warm-up (so auto has chosen its paths: its graph
+takes auto_graph_path), its replays timed as the eager calls are (after a barrier, interleaved), over
+GRAPH_CALLS: no host time, and the ranks' skew after the barrier shared by 10 calls. A column whose capture
+fails on any rank holds the failure, "failed: <type>: <message>" (another rank's with "(rank R)"), and is not
+replayed.
 Speedups are plain / x; `<x>_graph_speedup` = plain_graph_us / x_graph_us. Overlap efficiency =
 (plain - best of ours) / min(comm, gemm): 1 is a perfect overlap. The cost model's predictions
 (moe_ep.tp.cost.predicted_us) are printed beside.
@@ -156,8 +159,9 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
         torch.cuda.synchronize()
         row["auto_first_call_ms"] = (time.perf_counter() - start) * 1e3
         choice = tp.choices[(op, m, local_k, local_n)]
-        row["auto_path"] = choice["path"]
+        row["auto_path"], row["auto_graph_path"] = choice["path"], choice["graph_path"]
         row.update({f"auto_timed_{path}_us": t for path, t in choice["times_us"].items()})
+        row.update({f"auto_graph_timed_{path}_us": t for path, t in choice["graph_times_us"].items()})
     except Exception as e:
         row["auto_path"] = failure(e)
     gemm_a = gathered if op == "ag_gemm" else a
@@ -203,18 +207,19 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
 COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "triton_tma_us",
            "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us",
            "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "never_speedup",
-           "auto_speedup", "overlap_efficiency", "auto_path", "comm_graph_us", "gemm_graph_us", "triton_graph_us",
-           "triton_tma_graph_us", "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us",
-           "chunked_graph_us", "never_graph_us", "auto_graph_us", "torch_graph_speedup", "fused_graph_speedup",
-           "fused_tma_graph_speedup", "chunked_graph_speedup", "never_graph_speedup", "auto_graph_speedup",
-           "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us",
-           "predicted_never_us", "predicted_fused_us", "predicted_chunked_us", "fused_max_abs_diff",
-           "fused_tma_max_abs_diff", "chunked_max_abs_diff", "never_max_abs_diff"]
+           "auto_speedup", "overlap_efficiency", "auto_path", "auto_graph_path", "comm_graph_us", "gemm_graph_us",
+           "triton_graph_us", "triton_tma_graph_us", "plain_graph_us", "torch_graph_us", "fused_graph_us",
+           "fused_tma_graph_us", "chunked_graph_us", "never_graph_us", "auto_graph_us", "torch_graph_speedup",
+           "fused_graph_speedup", "fused_tma_graph_speedup", "chunked_graph_speedup", "never_graph_speedup",
+           "auto_graph_speedup", "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us",
+           "auto_timed_chunked_us", "auto_graph_timed_never_us", "auto_graph_timed_fused_us",
+           "auto_graph_timed_chunked_us", "predicted_never_us", "predicted_fused_us", "predicted_chunked_us",
+           "fused_max_abs_diff", "fused_tma_max_abs_diff", "chunked_max_abs_diff", "never_max_abs_diff"]
 # a row's line as it is measured
 ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "plain_us", "torch_us",
                "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path", "overlap_efficiency",
                "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us", "chunked_graph_us",
-               "never_graph_us", "auto_graph_us"]
+               "never_graph_us", "auto_graph_us", "auto_graph_path"]
 
 
 def main():

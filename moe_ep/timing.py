@@ -70,7 +70,7 @@ def round_order(r: int, n: int) -> list[int]:
     return random.Random(r).sample(range(n), n)
 
 
-GRAPH_CALLS = 10            # back-to-back calls in each CUDA graph of graph_times
+GRAPH_CALLS = 10            # back-to-back calls in each CUDA graph of graph_times (and of AsyncTP's graph timings)
 
 
 def failure(e: Exception) -> str:
@@ -78,34 +78,52 @@ def failure(e: Exception) -> str:
     return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
 
 
+def capture(fn, calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back calls of fn(). Where the capture fails, the device is synchronized
+    and the exception of the call that spoiled the capture is raised (not the capture's end's, which follows it)."""
+    graph, error = torch.cuda.CUDAGraph(), None
+    try:
+        with torch.cuda.graph(graph):
+            try:
+                for _ in range(calls):
+                    fn()
+            except Exception as e:
+                error = e
+                raise
+    except Exception as ended:
+        torch.cuda.synchronize()
+        raise error or ended
+    return graph
+
+
+def failed_on_any_rank(failed: dict, group=None) -> dict:
+    """What failed on any rank of `group` (name -> why: this rank's `failed`, and every rank's, gathered; this
+    rank's reasons as they are, another rank's with '(rank R)'), the same names on every rank. Collective."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, failed, group=group)
+    merged = dict(failed)
+    for rank, theirs in enumerate(everyone):
+        for name, why in theirs.items():
+            merged.setdefault(name, f"{why} (rank {rank})")
+    return merged
+
+
 def graph_times(timed: list, iters: int) -> dict:
     """`<x>_graph_us` of each (`<x>_us`, fn) of `timed` (warmed up): a CUDA graph of GRAPH_CALLS back-to-back
-    calls of fn() captured for each, on every rank in the same order, the replays timed as the eager calls
-    (interleaved, each after a barrier), each median over GRAPH_CALLS. A column whose capture failed on any
-    rank is not replayed: it holds the failure (another rank's with '(rank R)'). The graphs are freed on return."""
+    calls of fn() captured for each (``capture``), on every rank in the same order, the replays timed as the
+    eager calls (interleaved, each after a barrier), each median over GRAPH_CALLS. A column whose capture failed
+    on any rank is not replayed: it holds the failure (another rank's with '(rank R)'). The graphs are freed on
+    return."""
     graphs, failed = {}, {}
     for key, fn in timed:
         name = key.removesuffix("_us") + "_graph_us"
-        graph, error = torch.cuda.CUDAGraph(), None
         try:
-            with torch.cuda.graph(graph):
-                try:
-                    for _ in range(GRAPH_CALLS):
-                        fn()
-                except Exception as e:    # the call that spoiled the capture, not the capture's end, which raises too
-                    error = e
-                    raise
-            graphs[name] = graph
+            graphs[name] = capture(fn)
         except Exception as e:            # a path that cannot be captured is reported, not fatal
-            failed[name] = failure(error or e)
-            torch.cuda.synchronize()
+            failed[name] = failure(e)
         dist.barrier()                    # every rank after every capture: the collectives stay in step
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failed)
-    for rank, theirs in enumerate(everyone):
-        for name, why in theirs.items():
-            graphs.pop(name, None)
-            failed.setdefault(name, f"{why} (rank {rank})")
+    failed = failed_on_any_rank(failed)
+    graphs = {name: graph for name, graph in graphs.items() if name not in failed}
     medians = interleaved_median_us([graph.replay for graph in graphs.values()], iters, 1, call_after_barrier_us)
     return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
 

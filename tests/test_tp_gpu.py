@@ -24,6 +24,7 @@ from cases import llama_mlp
 from distributed import gpu_worlds, refused_on_rank_0, run
 from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
 from moe_ep.collectives import all_reduce, reduce_scatter_tensor
+from moe_ep.tp.cost import candidate_paths
 
 pytestmark = pytest.mark.gpu
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -160,6 +161,85 @@ def _repeated_calls_and_the_fallback(rank, world):
         tp.destroy()
 
 
+GRAPH_REPLAYS = 3        # replays of each captured call, each on fresh inputs
+
+
+def captured(tp, op, a, w):
+    """A CUDA graph of tp.<op>(a, w) on the static inputs a and w, captured after one eager call (which compiles
+    and loads the kernels and, under overlap="auto", chooses the shape's paths), and the output it writes."""
+    getattr(tp, op)(a, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = getattr(tp, op)(a, w)
+    return graph, out
+
+
+def replays_match(rank, world, tp, op, shape, seed, what):
+    """tp.<op> captured on static inputs of `shape` (rows per rank, K, N), then replayed GRAPH_REPLAYS times,
+    fresh inputs copied into the static ones before each replay (a straggler rank before some: it must not see
+    stale shards or partials): each replay's output against the reference on those inputs."""
+    rows, k, n = shape
+    m = world * rows if op == "gemm_rs" else rows
+    static = operands(rank, world, m, k, n, tp.dtype, True, seed)
+    graph, out = captured(tp, op, *static)
+    for replay in range(GRAPH_REPLAYS):
+        a, w = operands(rank, world, m, k, n, tp.dtype, True, seed + 1 + replay)
+        for dst, src in zip(static, (a, w)):
+            dst.copy_(src)
+        if rank == replay % world:
+            torch.cuda._sleep(1_000_000)
+        graph.replay()
+        expect(op, out, a, w, lambda msg: f"{what} {op}, replay {replay} of its CUDA graph: {msg}")
+
+
+def _graphs_replay_fresh_inputs(rank, world):
+    """Each op on each of its paths, and on overlap="auto" (whose captured call takes the graphs' choice), in a
+    CUDA graph replayed on fresh inputs (``replays_match``). gloo (shared-GPU mode) crosses host copies, which no
+    graph holds: there the plain path is not captured, and auto's graphs' choice is the plain path, untimed."""
+    fp32_reductions()
+    nccl = dist.get_backend() == "nccl"
+    shape = (100, 512, 1000)                     # M not a multiple of the tile, K of BLOCK_K, N of BLOCK_N
+    ops = {"fused": ("ag_gemm", "gemm_rs", "gemm_ar"), "chunked": ("ag_gemm", "gemm_rs")}   # gemm_ar: "never"
+    if nccl:
+        ops["never"] = ("ag_gemm", "gemm_rs", "gemm_ar")
+    for i, (path, path_ops) in enumerate(ops.items()):
+        tp = AsyncTP(world * shape[0], max(shape[1:]), overlap=path)
+        for j, op in enumerate(path_ops):
+            replays_match(rank, world, tp, op, shape, seed=100 * i + 10 * j, what=path)
+        tp.check()
+        tp.destroy()
+
+    rows, k, n = 512, 4096, 4096                 # a shape where auto times paths
+    auto = AsyncTP(world * rows, max(k, n))      # overlap="auto"
+    key = ("ag_gemm", world * rows, k, n)
+    assert len(candidate_paths(*key, world)) > 1, f"auto takes {key} untimed"
+    taken, path_of = [], auto.tuner.path
+
+    def recorded(*args):                         # the path each call takes
+        taken.append(path_of(*args))
+        return taken[-1]
+
+    auto.tuner.path = recorded
+    if nccl:
+        replays_match(rank, world, auto, "ag_gemm", (rows, k, n), seed=500, what="auto")
+    else:
+        a, w = operands(rank, world, rows, k, n, auto.dtype, True, seed=500)
+        expect("ag_gemm", auto.ag_gemm(a, w), a, w, lambda msg: f"auto ag_gemm: {msg}")
+    choice = auto.choices[key]
+    assert set(choice["times_us"]) == set(candidate_paths(*key, world)), choice
+    if nccl:                                     # the eager call took the eager choice, the captured one the graphs'
+        assert taken == [choice["path"], choice["graph_path"]], (taken, choice)
+        assert set(choice["graph_times_us"]) == set(choice["times_us"]) and not choice["graph_failed"], choice
+    else:
+        assert taken == [choice["path"]] and choice["graph_path"] == "never" and "never" in choice["graph_failed"], \
+            (taken, choice)
+    decisions = [None] * world
+    dist.all_gather_object(decisions, (choice["path"], choice["graph_path"]))
+    assert all(d == decisions[0] for d in decisions), f"the ranks decided differently: {decisions}"
+    auto.check()
+    auto.destroy()
+
+
 def _timeout_raises(rank, world):
     tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=0.5)
     a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=3)
@@ -258,7 +338,8 @@ def test_kernels_match_reference(path, world):
     run(_kernels_match_reference, world, path, gpu=True)
 
 
-@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _timeout_raises, _mlp_matches_unsharded],
+@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _graphs_replay_fresh_inputs, _timeout_raises,
+                                  _mlp_matches_unsharded],
                          ids=lambda f: f.__name__.strip("_"))
 @gpu_worlds
 def test_async_tp(body, world):

@@ -12,6 +12,9 @@ from torch import nn
 from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference, timing
+from moe_ep.ep.protocol import capturing
+from moe_ep.timing import GRAPH_CALLS
+from moe_ep.tp import autotune
 from moe_ep.tp.autotune import MEASURE_ROUNDS, MEASURE_WARMUP, Autotuner
 from moe_ep.tp.config import TPConfig
 from moe_ep.tp.cost import MARGIN, candidate_paths, measured_choice, predicted_us
@@ -318,34 +321,88 @@ def _measured_choice_agrees_and_is_cached(rank, world):
     config = TPConfig(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
     tp = Autotuner(config, None, torch.device("cpu"))   # the nvshmem backend's choice logic, no buffers
     # Each candidate's timed calls in turn, the same every shape: by its first call "chunked" wins, by the
-    # means "never" (the outlier of "fused"), by the medians "fused" (22 on rank 1, where "never" alone wins)
+    # means "never" (the outlier of "fused"), by the medians "fused" (22 on rank 1, where "never" alone wins).
+    # In graphs (a replay's time, GRAPH_CALLS calls) "chunked" wins: 19 us a call on its slowest rank.
     clock = {"chunked": [5.0, 30.0, 30.0, 30.0, 40.0, 40.0, 40.0],
              "fused": [20.0 + 2 * rank, 20.0 + 2 * rank, 1000.0, *[20.0 + 2 * rank] * 4],
-             "never": [25.0 - 10 * rank] * 7}
+             "never": [25.0 - 10 * rank] * 7,
+             "graph chunked": [GRAPH_CALLS * (18.0 + rank)] * 7, "graph fused": [GRAPH_CALLS * 21.0] * 7,
+             "graph never": [GRAPH_CALLS * 20.0] * 7}
     assert MEASURE_ROUNDS == 7                     # one time a round
     clock = {path: itertools.cycle(times) for path, times in clock.items()}
-    ran, timed = [], []
+    ran, timed, failing = [], [], {}
 
     def fake_us(fn):                               # a fake clock: the next time of the candidate that just ran
         fn()
         timed.append(ran[-1])
         return next(clock[ran[-1]])
 
-    tp.time_us = fake_us
+    def fake_capture(fn):                          # a fake graph: one call captured, its replay logged
+        fn()
+        path = ran[-1]
+        ran[-1] = f"capture {path}"
+        if rank in failing.get(path, ()):
+            raise RuntimeError(f"{path} cannot be captured")
+        return lambda: ran.append(f"graph {path}")
+
+    tp.time_us, tp.capture = fake_us, fake_capture
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
     paths = ["chunked", "fused", "never"]
-    calls = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
-    # warmed up first, then round r times each candidate once, in the round's order (the same on every rank)
-    assert ran[:3 * MEASURE_WARMUP] == paths * MEASURE_WARMUP and len(ran) == calls
-    assert timed == ran[3 * MEASURE_WARMUP:] == [paths[i] for r in range(MEASURE_ROUNDS) for i in timing.round_order(r, 3)]
+    warmup, rounds = len(paths) * MEASURE_WARMUP, [i for r in range(MEASURE_ROUNDS) for i in timing.round_order(r, 3)]
+    eager_calls = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
+    calls = 2 * eager_calls + len(paths)           # the eager calls, a capture of each, the replays
+    # warmed up first, then round r times each candidate once, in the round's order (the same on every rank);
+    # then each captured, in the candidates' order, and the replays warmed up and timed likewise
+    eager, graphs = ran[:eager_calls], ran[eager_calls:]
+    assert eager[:warmup] == paths * MEASURE_WARMUP and len(ran) == calls
+    assert graphs[:len(paths)] == [f"capture {p}" for p in paths]
+    assert graphs[len(paths):len(paths) + warmup] == [f"graph {p}" for p in paths] * MEASURE_WARMUP
+    assert timed == eager[warmup:] + graphs[len(paths) + warmup:] == [paths[i] for i in rounds] + [
+        f"graph {paths[i]}" for i in rounds]
     choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
     assert choice["times_us"] == {"chunked": 30.0, "fused": 22.0, "never": 25.0} and choice["first_call_ms"] > 0
+    # the graphs' choice is its own, by its replays' times over GRAPH_CALLS, on their slowest rank
+    assert choice["graph_path"] == "chunked" and choice["graph_failed"] == {}
+    assert choice["graph_times_us"] == {"chunked": 19.0, "fused": 21.0, "never": 20.0}
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == calls        # cached
-    assert tp.path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused" and len(ran) == 2 * calls    # a new shape
-    assert tp.path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == 2 * calls           # untimed
-    assert tp.choices[("ag_gemm", 4, 128, 128)]["times_us"] == {}
+    autotune.capturing = lambda cuda: True          # a call made while its stream is being captured
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == calls
+    with pytest.raises(RuntimeError, match="make one eager call of this shape first"):
+        tp.path("gemm_rs", 8192, 8192, 4096, ran.append)      # a first call to time: not inside a capture
+    assert ("gemm_rs", 8192, 8192, 4096) not in tp.choices and len(ran) == calls
+    assert tp.path("gemm_rs", 4, 128, 128, ran.append) == "never" and len(ran) == calls            # untimed
+    autotune.capturing = capturing
+
+    # "chunked" cannot be captured on rank 1: left out of the graphs' choice on every rank, and never replayed
+    failing["chunked"] = {1}
+    before = len(ran)
+    assert tp.path("gemm_rs", 16384, 8192, 4096, ran.append) == "fused"          # a new shape, timed eagerly as before
+    assert len(ran) == before + calls - (MEASURE_WARMUP + MEASURE_ROUNDS)         # one graph fewer replayed
+    choice = tp.choices[("gemm_rs", 16384, 8192, 4096)]
+    assert choice["graph_path"] == "never" and choice["graph_times_us"] == {"fused": 21.0, "never": 20.0}
+    assert choice["graph_failed"] == {"chunked": "failed: RuntimeError: chunked cannot be captured"
+                                      + ("" if rank == 1 else " (rank 1)")}
+    assert "graph chunked" not in ran[before:]
+    # where "never" cannot be captured, nothing weighs the others: "never", untimed, nothing replayed
+    failing["never"] = {0}
+    before = len(ran)
+    assert tp.path("gemm_ar", 16384, 8192, 4096, ran.append) == "fused"
+    choice = tp.choices[("gemm_ar", 16384, 8192, 4096)]
+    assert choice["graph_path"] == "never" and choice["graph_times_us"] == {}
+    assert list(choice["graph_failed"]) == ["never"]
+    assert not [call for call in ran[before:] if call.startswith("graph")]
+    decisions = [None] * world
+    dist.all_gather_object(decisions, {key: (c["path"], c["graph_path"], c["times_us"], c["graph_times_us"])
+                                       for key, c in tp.choices.items()})
+    assert all(d == decisions[0] for d in decisions), decisions
+
+    shapes = len(ran)
+    assert tp.path("ag_gemm", 4, 128, 128, ran.append) == "never" and len(ran) == shapes             # untimed
+    untimed = tp.choices[("ag_gemm", 4, 128, 128)]
+    assert untimed["path"] == untimed["graph_path"] == "never"
+    assert untimed["times_us"] == untimed["graph_times_us"] == {}
     config.overlap = "chunked"
-    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == 2 * calls
+    assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "chunked" and len(ran) == shapes
 
 
 def test_measured_choice_agrees_across_ranks_and_is_cached():

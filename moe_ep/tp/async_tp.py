@@ -21,15 +21,22 @@ Each call takes one of three paths (``overlap``):
   - "chunked": cuBLAS, one GEMM per shard, the shards' transfers on the copy engine in
     between; a one-warp kernel holds the stream until the shard a GEMM needs has landed;
   - "never": the plain path, NCCL collective then cuBLAS (or the reverse), nothing overlapped.
-``overlap="auto"`` (the default) measures: the first call of each shape (op, M, K, N; the object
-fixes dtype and group) times the candidate paths on its operands (interleaved, round after round, each
-call after a barrier; the median of each path's calls counts: ``autotune``), takes each path's time on
-its slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps the fastest for
-every later call of that shape, "never" unless an overlapped path took at most ``cost.MARGIN`` (0.97)
-of its time. The cost model (``cost``) only orders the candidates and leaves out the hopeless ones (on
-small shapes all overlapped paths: "never" is then taken untimed).
-``choices`` holds each decision: the path, the times it was chosen by, and what the first call
-cost. That first call synchronizes the device: make it before capturing a CUDA graph.
+``overlap="auto"`` (the default) measures, for eager calls and for calls captured into a CUDA graph
+apart: the first call of each shape (op, M, K, N; the object fixes dtype and group) times the candidate
+paths on its operands (interleaved, round after round, each call after a barrier; the median of each
+path's calls counts: ``autotune``), then times them again as replays of CUDA graphs, one a path of
+``timing.GRAPH_CALLS`` calls captured on every rank (a path whose capture failed on any rank is left out
+of that choice; "never" stays in it, and is taken untimed where its own capture failed). Each choice takes
+each path's time on its slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps
+the fastest for every later call of that shape in its mode, "never" unless an overlapped path took at most
+``cost.MARGIN`` (0.97) of its time: an eager call takes the eager times' choice, a call made while its
+stream is being captured the graphs' (they differ where the host time an eager call holds hides what the
+GPU does). The cost model (``cost``) only orders the candidates and leaves out the hopeless ones (on
+small shapes all overlapped paths: "never" is then taken untimed, in both modes).
+``choices`` holds each decision: both paths, the times each was chosen by, the captures that failed, and
+what the first call cost. That first call synchronizes the device and captures graphs of its own: make it
+eagerly, before capturing a CUDA graph (a captured first call of a shape with candidates to time raises
+RuntimeError).
 ``backend="reference"`` runs the plain path on torch.distributed (CPU with gloo too), with the partials
 of gemm_rs and gemm_ar summed in fp32, as ``moe_ep.reference`` states the contract.
 
@@ -63,7 +70,7 @@ broken from then on, as after any timeout: build it again on every rank. The ref
 not: its next call pairs with whichever call of the same number its peers make, the timed-out one included
 (whose writes may have landed in its buffers), as EPAllToAll's calls do. A call that takes the path
 "never" waits in NCCL's collectives instead, which no board reaches (so does overlap="auto"'s first call
-of a shape, whose measurement runs between barriers of the group and ends in an all-reduce): a peer of
+of a shape, whose measurement runs between barriers of the group and ends in collectives): a peer of
 a rank that refused it waits until the process group's timeout.
 """
 from __future__ import annotations
@@ -192,7 +199,9 @@ class AsyncTP(runtime.CommObject):
 
     @property
     def choices(self) -> dict[tuple, dict]:
-        """overlap="auto"'s decision per shape (``autotune.Autotuner.choices``)."""
+        """overlap="auto"'s decisions per shape (``autotune.Autotuner.choices``): "path", the path of eager
+        calls, and "graph_path", that of calls captured into a CUDA graph, each with the times it was chosen by
+        ("times_us", "graph_times_us"), the paths whose capture failed ("graph_failed") and "first_call_ms"."""
         return self.tuner.choices
 
     def _calls(self) -> dict[str, int]:
