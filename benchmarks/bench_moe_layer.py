@@ -23,9 +23,11 @@ torch._scaled_grouped_mm where this torch has it (FP8 rows and weights, row-wise
 per-expert torch loop. TFLOP/s over the counted rows; GB/s over the least
 bytes the GEMM must move (rows in, each used expert's weights once, rows out).
 
-Medians of CUDA-event times. Each row is printed as it is measured (a line, and '... still on <row>'
-every 30 s while one takes longer); moe_layer.json is rewritten as rows come in; a baseline that
-fails is recorded with its error.
+Medians of CUDA-event times, each call (and each graph replay) begun after a barrier of the ranks
+(timing.call_after_barrier_us): a call's time holds the skew a barrier leaves, not what the ranks' previous
+calls left (timed back to back, an eager forward after a launched one waited on its peers' longer host time).
+Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes longer);
+moe_layer.json is rewritten as rows come in; a baseline that fails is recorded with its error.
 """
 import functools
 import inspect
@@ -38,8 +40,8 @@ import torch.distributed as dist
 from moe_ep import EPMoE, quantize_fp8, random_topk
 from moe_ep.kernels.grouped_gemm import grouped_gemm
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, interleaved_median_us,
-                           markdown_table, median_us, row_line)
+from moe_ep.timing import (Progress, benchmark_args, call_after_barrier_us, environment, finish, floor_us,
+                           interleaved_median_us, markdown_table, median_us, row_line)
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
@@ -78,14 +80,15 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
     try:
         with torch.no_grad():
             progress.step("dispatch")
-            times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5)}
+            times = {"dispatch_us": median_us(lambda: ep.dispatch(x, ids, weights), iters, 5, dist.barrier)}
             recv_x, recv_scales, recv_count, handle = ep.dispatch(x, ids, weights)
             times.update(experts_floor(recv_count, fp8_experts))
             progress.step("experts")
             out = layer.run_experts(recv_x, recv_scales, recv_count, hint)
-            times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3)
+            times["experts_us"] = median_us(lambda: layer.run_experts(recv_x, recv_scales, recv_count, hint), iters, 3,
+                                            dist.barrier)
             progress.step("combine")
-            times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5)
+            times["combine_us"] = median_us(lambda: ep.combine(out, handle), iters, 5, dist.barrier)
             if fp8_experts:           # what FP8 weights cost: relative error of the counted rows against bf16 experts
                 exact = layer.run_experts(recv_x, recv_scales, recv_count, hint, fp8_experts=False)
                 counted = torch.arange(exact.shape[1], device="cuda")[None, :] < recv_count[:, None]
@@ -100,7 +103,8 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
                 return layer(x, ids, weights)
             try:
                 times["forward_us"], times["forward_launched_us"] = interleaved_median_us(
-                    [functools.partial(forward, True), functools.partial(forward, False)], iters, 1)
+                    [functools.partial(forward, True), functools.partial(forward, False)], iters, 1,
+                    call_after_barrier_us)
             finally:
                 layer.graph_experts = True
             if backend == "nvshmem":
@@ -108,7 +112,7 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     layer(x, ids, weights)
-                times["graph_us"] = median_us(graph.replay, iters, 3)
+                times["graph_us"] = median_us(graph.replay, iters, 3, dist.barrier)
     finally:
         if backend == "nvshmem":
             ep.destroy()
