@@ -65,8 +65,8 @@ from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.formats import FORMATS
 from moe_ep.launcher import BoundKernel
 from moe_ep.routing import hbm_bytes, link_bytes
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, link_floor_us, markdown_table,
-                           median_us, row_line, write_report)
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, heading, link_floor_us,
+                           markdown_table, median_us, row_line, write_json, write_report)
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
@@ -602,9 +602,8 @@ def main():
                           args.puts and world > 1, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
+        write_json(args, f"all_to_all_{world}ranks.json", {**meta, **results})
         if rank == 0:
-            with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
-                json.dump({**meta, **results}, f, indent=1)
             p.report("\n".join([row_line(row, COLUMNS, ".1f"), *breakdown_lines(row)]))
     if args.formats:
         results["formats"] = []
@@ -615,9 +614,8 @@ def main():
     if rank == 0:
         rows = sorted(results["settings"], key=lambda r: r["tokens"])
         deepep = beside_deepep(rows, os.path.join(args.out, f"deepep_{world}ranks.json"))
-        with open(os.path.join(args.out, f"all_to_all_{world}ranks.json"), "w") as f:
-            json.dump({**meta, **results, "deepep": deepep}, f, indent=1)
-        text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}\n\n"
+        write_json(args, f"all_to_all_{world}ranks.json", {**meta, **results, "deepep": deepep})
+        text = (f"{heading(meta)}\n\n"
                 f"Times in us (rank 0); speedups are NCCL eager over ours eager; floors: HBM at its peak, the link at "
                 f"its peak and at the measured copy rate ({meta['peer_copy_GBps'] or 0:.0f} GB/s); x_floor is graph "
                 f"time over the larger of HBM's and the link's peak floor:\n\n{markdown_table(rows, COLUMNS)}\n"

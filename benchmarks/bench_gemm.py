@@ -40,8 +40,6 @@ GPU kept busy while the call is launched so that the events time the GPU's work,
 Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
 longer); gemm.json is rewritten as rows come in (a cut run keeps them); gemm.md at the end.
 """
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -52,7 +50,7 @@ from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
 from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, matmul_small_m, small_m_config, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
-                           row_line, write_report)
+                           row_line, write_json, write_report)
 
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
@@ -230,8 +228,7 @@ def main():
     programs = torch.cuda.get_device_properties(0).multi_processor_count
 
     def save():
-        with open(os.path.join(args.out, "gemm.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args, "gemm.json", results)
 
     passes = tile_loop_passes(args.full)
     if "tile_loop" in parts:

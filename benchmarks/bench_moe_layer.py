@@ -31,8 +31,6 @@ moe_layer.json is rewritten as rows come in; a baseline that fails is recorded w
 """
 import functools
 import inspect
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -41,7 +39,7 @@ from moe_ep import EPMoE, quantize_fp8, random_topk
 from moe_ep.kernels.grouped_gemm import grouped_gemm
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import (Progress, benchmark_args, call_after_barrier_us, environment, finish, floor_us,
-                           interleaved_median_us, markdown_table, median_us, row_line)
+                           interleaved_median_us, markdown_table, median_us, row_line, write_json)
 
 QWEN3 = dict(hidden=2048, intermediate=768, experts=128, topk=8)
 DEEPSEEK = dict(hidden=7168, intermediate=2048, experts=256, topk=8)
@@ -227,9 +225,7 @@ def main():
     results = {**environment(), "default_max_tokens": DEFAULT_MAX_TOKENS, "layer": [], "grouped_gemm": []}
 
     def save():
-        if rank == 0:
-            with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        write_json(args, "moe_layer.json", results)
 
     for tokens in args.tokens:
         for backend, max_tokens, fp8, fp8_experts in layer_configs(tokens):

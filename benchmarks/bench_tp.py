@@ -44,8 +44,6 @@ longer); tp.json is rewritten as rows come in, tp.md written at the end; rank 0 
 tp.json's `torch_symm_mem_backend` says which symmetric-memory allocator PyTorch's ops ran on (its
 CUDA one where this torch has it).
 """
-import json
-import os
 import time
 import warnings
 
@@ -56,7 +54,8 @@ from moe_ep import AsyncTP, reference
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
-                           finish, graph_times, interleaved_median_us, markdown_table, row_line, write_report)
+                           finish, graph_times, heading, interleaved_median_us, markdown_table, row_line, write_json,
+                           write_report)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -225,7 +224,7 @@ ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_t
 def main():
     args = benchmark_args(__doc__, iters=30, numbers={
         "graph-rows": (DECODE_ROWS, "rows with M <= this also get CUDA-graph columns (0: none)")})
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     meta = environment()
     max_rows = max(m for m, _, _ in SHAPES)
     max_features = max(max(k, n) for _, k, n in SHAPES)
@@ -236,14 +235,11 @@ def main():
         for shape in (s for s in SHAPES if op != "gemm_ar" or s[0] <= DECODE_ROWS):
             with Progress(f"{op} M={shape[0]} K={shape[1]} N={shape[2]}") as p:
                 rows.append(measure(op, shape, tp, fused, args.iters, args.graph_rows, p))
-            if rank == 0:                  # written as they come: a cut run keeps what it measured
-                with open(os.path.join(args.out, "tp.json"), "w") as f:
-                    json.dump({**meta, "rows": rows}, f, indent=1)
+            write_json(args, "tp.json", {**meta, "rows": rows})
             p.report(row_line(rows[-1], ROW_COLUMNS))
     tp.check()
     if rank == 0:
-        text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
-                f"times in us (rank 0)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n")
+        text = f"{heading(meta)}, bf16, times in us (rank 0)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n"
         write_report(args, "tp.md", text)
     tp.destroy()
     finish(args)

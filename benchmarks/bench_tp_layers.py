@@ -32,8 +32,6 @@ Each row is printed as it is measured (a line, and '... still on <row>' every 30
 tp_layers.json is rewritten as rows come in, tp_layers.md (the table and the slowest speedups) written at
 the end; rank 0 prints them.
 """
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -43,7 +41,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from moe_ep import TPMLP, AsyncTP, RowParallelLinear, collectives
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure, finish,
-                           graph_times, interleaved_median_us, markdown_table, row_line, write_report)
+                           graph_times, heading, interleaved_median_us, markdown_table, row_line, write_json,
+                           write_report)
 
 # (hidden, intermediate) of each model's MLP. The default run took 26 s on 2 x H200 and 29 s on 4 x H200 with the
 # launch (benchmarks/NOTES.md, "The gate runs of 2026-11-27, morning"): startup with NCCL, NVSHMEM and AsyncTP's
@@ -167,16 +166,14 @@ def main():
                 with Progress(row_line(row, list(row))) as p:
                     row.update(measure(plain, ours, layer_input(ours, m), args.iters, True, p))
                 rows.append(row)
-                if rank == 0:              # written as they come: a cut run keeps what it measured
-                    with open(os.path.join(args.out, "tp_layers.json"), "w") as f:
-                        json.dump({**meta, "rows": rows}, f, indent=1)
+                write_json(args, "tp_layers.json", {**meta, "rows": rows})
                 p.report(row_line(row, COLUMNS))
     comm.check()
     if rank == 0:
         mismatched = sum(row.get("agree") is False for row in rows)
-        text = (f"{world}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
-                f"decode (no sequence parallelism), times in us (rank 0); ours: AsyncTP (overlap='auto'), plain: no "
-                f"communicator (cuBLAS, NCCL)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n\nSlowest against plain: "
+        text = (f"{heading(meta)}, bf16, decode (no sequence parallelism), times in us (rank 0); ours: AsyncTP "
+                f"(overlap='auto'), plain: no communicator (cuBLAS, NCCL)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n\n"
+                f"Slowest against plain: "
                 f"{slowest(rows, 'speedup')}; {slowest(rows, 'graph_speedup')}. Outputs disagree in {mismatched} "
                 f"rows (allclose, rtol {TOLERANCE}, atol {TOLERANCE} x max |plain|).\n")
         write_report(args, "tp_layers.md", text)

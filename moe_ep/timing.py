@@ -4,6 +4,7 @@ the same in CUDA graphs of back-to-back calls, the options and setup every bench
 its rows as they come (with a heartbeat while one takes long) and its table."""
 import argparse
 import datetime
+import json
 import os
 import random
 import statistics
@@ -168,6 +169,19 @@ def token_counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"expected positive token counts like 128,4096, got {text!r}")
     return counts
+
+
+def write_json(args: argparse.Namespace, name: str, data: dict) -> None:
+    """`data` written to `name` under --out by rank 0 (the only process when torch.distributed is not started;
+    the other ranks write nothing). The benchmarks rewrite their JSON as rows come in: a cut run keeps them."""
+    if on_rank0():
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def heading(meta: dict) -> str:
+    """A report's first words, from ``environment``'s dict: '<W>x <device>, <date>, torch <v>, triton <v>'."""
+    return f"{meta['world']}x {meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}"
 
 
 def write_report(args: argparse.Namespace, name: str, text: str) -> None:

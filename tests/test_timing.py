@@ -1,14 +1,15 @@
-"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, a failed call's
-entry, --tokens and the integer options."""
+"""The benchmarks' shared helpers that need no GPU: the heartbeat, the rows' lines and tables, a report's heading
+and JSON, a failed call's entry, --tokens and the integer options."""
 import argparse
+import json
 import re
 import sys
 import time
 
 import pytest
 
-from moe_ep.timing import (Progress, benchmark_args, failure, interleaved_median_us, markdown_table, round_order,
-                           row_line, token_counts)
+from moe_ep.timing import (Progress, benchmark_args, failure, heading, interleaved_median_us, markdown_table,
+                           round_order, row_line, token_counts, write_json)
 
 
 def test_heartbeat_names_a_block_that_runs_long(capsys):
@@ -45,6 +46,13 @@ def test_row_line_and_table_format_alike():
     assert row_line(row, ["shape", "M", "cublas_us", "pointer_us", "tma_us"]) == \
         "shape a tp2 AG, M 4096, cublas_us 512, tma_us ValueError: no"
     assert markdown_table([row], ["shape", "cublas_us", "pointer_us"]).splitlines()[-1] == "| a tp2 AG | 512.3 | - |"
+
+
+def test_heading_and_json_of_a_report(tmp_path):
+    meta = {"world": 4, "device": "NVIDIA H200", "date": "2026-11-27 05:00 UTC", "torch": "2.11.0", "triton": "3.6.0"}
+    assert heading(meta) == "4x NVIDIA H200, 2026-11-27 05:00 UTC, torch 2.11.0, triton 3.6.0"
+    write_json(argparse.Namespace(out=str(tmp_path)), "rows.json", {**meta, "rows": [{"M": 128}]})
+    assert json.loads((tmp_path / "rows.json").read_text()) == {**meta, "rows": [{"M": 128}]}
 
 
 def test_failure_names_the_error_and_its_first_line():

@@ -493,7 +493,9 @@ class GatedMLP:
         out = torch.empty((experts, rows, w2.shape[1]), dtype=dtype, device=x.device)
         self._down = _gemm_launch(h, w2, counts, h_scales if fp8_rows else None, WEIGHT_BLOCK.value, out=out,
                                   rows_per_expert=rows_per_expert, w_scales=w2_scales)
-        self.made = tuple((t.shape, t.dtype) for t in (gate_up, h, h_scales, out))   # buffers(): what a call writes
+        # (shape, dtype) of what a call writes: gate_up [P, 2I], h [P, I], h's scales (FP8 h) or a stand-in,
+        # out [E, R, H], P the packed rows; made new at every call, or carved from a replay's scratch
+        self.made = tuple((t.shape, t.dtype) for t in (gate_up, h, h_scales, out))
         self._fp8_rows = fp8_rows
         tma = len(self._down[1]) > A_DESC
         self._h_block = self._down[1][A_DESC].block_shape if tma else None
@@ -502,17 +504,12 @@ class GatedMLP:
             for i in made:
                 values[i] = None               # made at every call: no memory kept between calls
 
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """What a call writes, made new: (gate_up [P, 2I], h [P, I], h's scales (FP8 h) or a stand-in, out
-        [E, R, H]), P the packed rows."""
-        return tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.made)
-
     def __call__(self) -> torch.Tensor:
         """The experts' output [E, R, H] (rows past the counts unwritten), from what x and counts hold now."""
-        return self.launch(*self.buffers())
+        return self.launch(*(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.made))
 
     def launch(self, gate_up: torch.Tensor, h: torch.Tensor, h_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The three launches into these buffers (``buffers()``'s shapes and dtypes; any memory, a CUDA graph's
+        """The three launches into these buffers (``made``'s shapes and dtypes; any memory, a CUDA graph's
         capture reads and writes them where they are): out, from what x and counts hold now."""
         up_kernel, up = self._up
         up = up.copy()
