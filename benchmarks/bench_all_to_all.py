@@ -2,6 +2,7 @@
 
     bash launch.sh benchmarks/bench_all_to_all.py --out OUTDIR [--tokens N,N,...] [--sweep] [--breakdown]
                                                   [--crossover] [--one-object] [--puts] [--formats]
+                                                  [--num-sms N]
     python benchmarks/bench_all_to_all.py --host-only       # any machine, CPU included
 
 Model: hidden 7168, 256 experts, top-8 (DeepSeek-V3 shape), FP8 dispatch (per-128 scales), bf16
@@ -43,7 +44,9 @@ stop beating the prefill tiles (EPAllToAll.measure_crossover: the bound of mode 
 each --tokens, on objects of their own, with a row's bytes on the wire and the bytes leaving each GPU.
 `--one-object` times every setting on one object's size, that of the largest --tokens, as an engine
 sizes its object for its longest batch and then runs decode calls on it (otherwise each setting has an
-object of its own size).
+object of its own size). `--num-sms N` also times dispatch and combine at each --tokens above the decode
+sizes on an object limited to N SMs' worth of programs (num_sms; DeepEP's normal mode runs on 24), graph
+and eager, beside DeepEP's normal mode where its JSON is there (<op>_sms_vs_deepep: ours eager over its).
 Each setting is printed as it is measured (a line, and '... still on <setting>' every 30 s while one
 takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .md written at the end.
 `--host-only` needs no GPU: it prints the host time per call on a simulated one-process world
@@ -312,10 +315,28 @@ def put_path(out: dict, x, ids, weights, expert_out, max_tokens: int, iters: int
             out[f"puts_over_pointers_{op}_{how}"] = out[f"put_{op}_{how}_us"] / out[f"{op}_{how}_us"]
 
 
+def few_sms(out: dict, x, ids, weights, expert_out, max_tokens: int, num_sms: int, iters: int) -> None:
+    """Dispatch and combine on an object limited to `num_sms` SMs' worth of programs, graph and eager,
+    into out as <op>_sms_<how>_us."""
+    ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, num_sms=num_sms)
+    dispatch = lambda: ep.dispatch(x, ids, weights)                 # noqa: E731
+    *_, handle = dispatch()
+    combine = lambda: ep.combine(expert_out, handle)                # noqa: E731
+    out["num_sms"] = num_sms
+    out["dispatch_sms_graph_us"] = graph_median(dispatch, iters // 4)
+    out["dispatch_sms_eager_us"] = eager_median(dispatch, iters)
+    *_, handle = dispatch()
+    out["combine_sms_graph_us"] = graph_median(combine, iters // 4)
+    *_, handle = dispatch()
+    out["combine_sms_eager_us"] = eager_median(combine, iters)
+    ep.destroy()
+
+
 def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, copy_GBps: float | None,
-            puts: bool, progress: Progress) -> dict:
+            puts: bool, num_sms: int, progress: Progress) -> dict:
     """One setting: calls of `tokens` tokens per rank on objects for `max_tokens`; `copy_GBps` is
-    peer_copy_GBps(), for the floor at the machine's copy rate; with `puts`, the put path too (put_path)."""
+    peer_copy_GBps(), for the floor at the machine's copy rate; with `puts`, the put path too (put_path);
+    with `num_sms`, an object on that many SMs too (few_sms)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ours = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP)
     x, ids, weights, expert_out = inputs(tokens, max_tokens, ours.experts_per_rank)
@@ -367,6 +388,9 @@ def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown
     if puts:
         progress.step("put path")
         put_path(out, x, ids, weights, expert_out, max_tokens, iters, full)
+    if num_sms:
+        progress.step(f"{num_sms} SMs")
+        few_sms(out, x, ids, weights, expert_out, max_tokens, num_sms, iters)
     if with_breakdown:
         progress.step("breakdown")
         timed = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, timing=True)
@@ -492,6 +516,8 @@ FORMAT_COLUMNS = ["tokens", "format", "row_bytes", "link_MB", "link_floor_us", "
                   "graph_over_fp8", "dispatch_eager_us", "eager_over_fp8"]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
                                              for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
+SMS_COLUMNS = ["tokens", "num_sms", "deepep_mode"] + [f"{op}_{what}" for op in ("dispatch", "combine") for what in
+                                                      ("sms_graph_us", "sms_eager_us", "eager_deepep_us", "sms_vs_deepep")]
 
 
 def beside_deepep(rows: list[dict], path: str) -> str:
@@ -515,6 +541,9 @@ def beside_deepep(rows: list[dict], path: str) -> str:
                 row[key.replace("_us", "_deepep_us")] = value
                 if isinstance(row.get(key), float):
                     row[key.replace("_us", "_vs_deepep")] = row[key] / value
+        for op in ("dispatch", "combine"):
+            if f"{op}_sms_eager_us" in row and f"{op}_eager_deepep_us" in row:
+                row[f"{op}_sms_vs_deepep"] = row[f"{op}_sms_eager_us"] / row[f"{op}_eager_deepep_us"]
     return f"DeepEP {data['version']} beside us ({data['world']}x {data['device']}, {data['date']}): its time " \
            f"in *_deepep_us, ours over it in *_vs_deepep"
 
@@ -577,6 +606,8 @@ def main():
                                   "at each --tokens, with the bytes that leave each GPU",
                           puts="also time the put path (every peer through NVSHMEM puts: puts='all') beside the "
                                "pointer path (on 2+ ranks)",
+                          numbers={"num-sms": (0, "also time the settings above the decode sizes on an object of "
+                                                  "num_sms=N, beside DeepEP's normal mode (0: not)")},
                           **{"one-object": "time every setting on objects sized for the largest --tokens"})
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {**environment(), "model": {"hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "fp8_group": GROUP}}
@@ -599,7 +630,7 @@ def main():
         with Progress(f"{tokens} tokens per rank") as p:
             max_tokens = max(tokens, *args.tokens) if args.one_object else tokens
             row = measure(tokens, max_tokens, iters, full, with_breakdown, meta["peer_copy_GBps"],
-                          args.puts and world > 1, p)
+                          args.puts and world > 1, args.num_sms if tokens > DECODE[-1] else 0, p)
         results["settings"].append(row)
         torch.cuda.empty_cache()              # the prefill setting's expert rows are large
         write_json(args, f"all_to_all_{world}ranks.json", {**meta, **results})
@@ -622,6 +653,8 @@ def main():
                 f"\n{deepep}\n")
         if any("deepep_mode" in row for row in rows):
             text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
+        if any("num_sms" in row for row in rows):
+            text += f"\n{markdown_table([r for r in rows if 'num_sms' in r], SMS_COLUMNS, '.2f')}\n"
         text += put_and_format_tables(rows, results.get("formats"))
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"

@@ -227,13 +227,14 @@ for part in $parts; do
         tutorial04 tutorial06 ;;
     multi_bench_ep)
       # DeepEP's benchmark at every GPU (built first where multi has not), then ours with the put path beside the
-      # pointer path (50 repetitions a decode setting, 12 at prefill), which merges DeepEP's into its table, each
-      # alone on the machine. On 2 x H200 from a cache without the put path's kernels: DeepEP's 87 s; ours 93,
+      # pointer path (50 repetitions a decode setting, 12 at prefill) and on 24 SMs at prefill, which merges
+      # DeepEP's into its table, each alone on the machine. On 2 x H200 from a cache without the put path's kernels: DeepEP's 87 s; ours 93,
       # 59 and 119 s at 16, 128 and 512 tokens (mostly the put path's compiles), 4096 not reached in 300 s.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       deepep_build step
       deepep_bench
-      step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50 ;;
+      step bench_all_to_all 420 bash launch.sh benchmarks/bench_all_to_all.py --out "$out" --puts --iters 50 \
+        --num-sms 24 ;;
     multi_bench_layers)
       # The payload formats' EP benchmark (128 and 4096 tokens: 277 s on 2 x H200), async TP's (33-35 s), the TP
       # layers' in a decode step (26 s on 2 x H200) and the MoE layer's (30-115 s), each alone on the machine; the

@@ -648,6 +648,19 @@ def _source_row(item, chunks, longest, max_tokens):
 
 
 @triton.jit
+def _combine_item(item, chunks, max_tokens, rank, world):
+    """Work item `item` of combine's send, of (row, column chunk, source) with the source fastest and this
+    rank's next first: its source, its row t, src * max_tokens + t, and its chunk. At every moment each
+    rank's programs store to every source alike. With the source slowest every rank stored into rank 0,
+    then into rank 1, ...: one GPU's incoming links carried every row at once (at 4 ranks a third of each
+    sender's link), and at 2 ranks each rank sent during half of the send only."""
+    src = (item + rank + 1) % world
+    rest = item // world
+    t = rest // chunks
+    return src, t, src * max_tokens + t, rest % chunks
+
+
+@triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
                          item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
@@ -707,9 +720,10 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
 def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
                         slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
                         BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, PUTS: tl.constexpr):
-    """Work items item0, item0 + items_step, ... of (source row, column chunk): the weighted sum over the
-    token's local experts, in fp32, k order, stored once into the source rank's combine buffer (for the
-    sources in `live`, bits). With PUTS, a chunk staged for a source of `remote` (bits) is put to it at once.
+    """Work items item0, item0 + items_step, ... of (source row, column chunk), the source fastest
+    (``_combine_item``): the weighted sum over the token's local experts, in fp32, k order, stored once into
+    the source rank's combine buffer (for the sources in `live`, bits). With PUTS, a chunk staged for a source
+    of `remote` (bits) is put to it at once.
 
     The token's k expert rows come in one [K_PAD, BLOCK_H] load, all in flight at once. A load per k
     (masked, into a running sum) compiled to loads issued one after another, each waiting for the one
@@ -719,7 +733,7 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
     kk = tl.arange(0, K_PAD)
     longest = _longest(kept_tokens_ptr, live, world, WORLD_PAD)
     for item in range(item0, world * longest * chunks, items_step):
-        src, t, src_row = _source_row(item, chunks, longest, max_tokens)
+        src, t, src_row, chunk = _combine_item(item, chunks, max_tokens, rank, world)
         if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
             meta = src_row * topk + kk           # rows -1 and weights 0 where the expert is not local
             ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
@@ -728,7 +742,7 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
             local = rows >= 0
             if tl.max(local.to(tl.int32), 0) > 0:
                 expert_rows = tl.where(local, ids - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + rows
-                cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+                cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
                 mask = cols < hidden
                 y = tl.load(y_ptr + expert_rows[:, None] * hidden + cols[None, :],
                             mask=local[:, None] & mask[None, :], other=0.0)
@@ -744,7 +758,7 @@ def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_toke
                 tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
                 if PUTS:
                     if _bit(remote, src):
-                        first = (item % chunks) * BLOCK_H
+                        first = chunk * BLOCK_H
                         _put_span(peers, C_DATA, rank, src, world, row * hidden + first,
                                   tl.minimum(hidden - first, BLOCK_H), y_ptr.dtype.element_ty)
 
