@@ -228,8 +228,9 @@ for part in $parts; do
     multi_bench_ep)
       # DeepEP's benchmark at every GPU (built first where multi has not), then ours with the put path beside the
       # pointer path (50 repetitions a decode setting, 12 at prefill) and on 24 SMs at prefill, which merges
-      # DeepEP's into its table, each alone on the machine. On 2 x H200 from a cache without the put path's kernels: DeepEP's 87 s; ours 93,
-      # 59 and 119 s at 16, 128 and 512 tokens (mostly the put path's compiles), 4096 not reached in 300 s.
+      # DeepEP's into its table, each alone on the machine. On 2 x H200 from a cache without the put path's
+      # kernels: DeepEP's 87 s; ours 93, 59 and 119 s at 16, 128 and 512 tokens (mostly the put path's compiles),
+      # 4096 not reached in 300 s.
       if (( gpus < 2 )); then skip "$part" "one GPU: the multi-GPU benchmarks need a GPU a rank"; continue; fi
       deepep_build step
       deepep_bench
