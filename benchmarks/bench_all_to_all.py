@@ -516,8 +516,9 @@ FORMAT_COLUMNS = ["tokens", "format", "row_bytes", "link_MB", "link_floor_us", "
                   "graph_over_fp8", "dispatch_eager_us", "eager_over_fp8"]
 DEEPEP_COLUMNS = ["tokens", "deepep_mode"] + [f"{op}_{how}_{who}" for op in ("dispatch", "combine")
                                              for how in ("graph", "eager") for who in ("us", "deepep_us", "vs_deepep")]
-SMS_COLUMNS = ["tokens", "num_sms", "deepep_mode"] + [f"{op}_{what}" for op in ("dispatch", "combine") for what in
-                                                      ("sms_graph_us", "sms_eager_us", "eager_deepep_us", "sms_vs_deepep")]
+SMS_COLUMNS = ["tokens", "num_sms", "deepep_mode"] + [
+    f"{op}_{what}" for op in ("dispatch", "combine")
+    for what in ("sms_graph_us", "sms_eager_us", "eager_deepep_us", "sms_vs_deepep")]
 
 
 def beside_deepep(rows: list[dict], path: str) -> str:
