@@ -460,6 +460,21 @@ def payload_formats(tokens: int, iters: int, copy_GBps: float | None, progress: 
     return rows
 
 
+def deepep_tables(rows: list[dict]) -> str:
+    """The table beside DeepEP (where ``beside_deepep`` merged its rows) and the fewer-SMs table (where the
+    rows have --num-sms times), as the benchmark's .md and RESULTS.md show them."""
+    text = ""
+    if any("deepep_mode" in row for row in rows):
+        text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
+                 f"over DeepEP's, below 1 where ours is faster):\n\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n")
+    few = [row for row in rows if "num_sms" in row]
+    if few:
+        text += ("\nOn fewer SMs (num_sms: at most that many SMs' worth of programs a kernel), beside DeepEP's normal "
+                 "mode on its 24 (sms_vs_deepep: ours eager over DeepEP's eager):\n\n"
+                 f"{markdown_table(few, SMS_COLUMNS, '.2f')}\n")
+    return text
+
+
 def put_and_format_tables(rows: list[dict], formats: list[dict] | None) -> str:
     """The put path's table (where the rows have its times) and the payload formats' (where there are
     any), as the benchmark's .md and RESULTS.md show them."""
@@ -652,11 +667,7 @@ def main():
                 f"its peak and at the measured copy rate ({meta['peer_copy_GBps'] or 0:.0f} GB/s); x_floor is graph "
                 f"time over the larger of HBM's and the link's peak floor:\n\n{markdown_table(rows, COLUMNS)}\n"
                 f"\n{deepep}\n")
-        if any("deepep_mode" in row for row in rows):
-            text += f"\n{markdown_table(rows, DEEPEP_COLUMNS, '.2f')}\n"
-        if any("num_sms" in row for row in rows):
-            text += f"\n{markdown_table([r for r in rows if 'num_sms' in r], SMS_COLUMNS, '.2f')}\n"
-        text += put_and_format_tables(rows, results.get("formats"))
+        text += deepep_tables(rows) + put_and_format_tables(rows, results.get("formats"))
         if args.crossover:
             text += f"\n{crossover_line(results['crossover'])}.\n"
         lines = [line for row in rows for line in breakdown_lines(row)]

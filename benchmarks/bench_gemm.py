@@ -49,8 +49,8 @@ from moe_ep import quantize_fp8
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
 from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, matmul_small_m, small_m_config, tile_config
 from moe_ep.kernels.quant import quantize_weights_fp8
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, markdown_table, median_us,
-                           row_line, write_json, write_report)
+from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, heading, markdown_table,
+                           median_us, row_line, write_json, write_report)
 
 TP_CASES = {"a": (4096, 8192, 28672), "b": (8192, 8192, 28672), "c": (16384, 8192, 8192), "d": (2048, 4096, 14336)}
 TP_SIZES = (2, 4)
@@ -266,8 +266,7 @@ def main():
     tables = [markdown_table(results[part], columns, ".3g") for part, columns in (
         ("tile_loop", tp_columns([v for variants in passes for v in variants])), ("small_m", SMALL_M_COLUMNS),
         ("grouped_gemm", GROUPED_COLUMNS)) if results[part]]
-    text = (f"{results['device']}, {results['date']}, torch {results['torch']}, triton {results['triton']}\n\n"
-            + "\n\n".join(tables) + "\n")
+    text = f"{heading(results)}\n\n" + "\n\n".join(tables) + "\n"
     write_report(args, "gemm.md", text)
     finish(args)
 

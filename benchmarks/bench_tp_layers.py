@@ -172,10 +172,11 @@ def main():
     if rank == 0:
         mismatched = sum(row.get("agree") is False for row in rows)
         text = (f"{heading(meta)}, bf16, decode (no sequence parallelism), times in us (rank 0); ours: AsyncTP "
-                f"(overlap='auto'), plain: no communicator (cuBLAS, NCCL)\n\n{markdown_table(rows, COLUMNS, '.3g')}\n\n"
-                f"Slowest against plain: "
-                f"{slowest(rows, 'speedup')}; {slowest(rows, 'graph_speedup')}. Outputs disagree in {mismatched} "
-                f"rows (allclose, rtol {TOLERANCE}, atol {TOLERANCE} x max |plain|).\n")
+                f"(overlap='auto'), plain: no communicator (cuBLAS, NCCL)\n\n"
+                f"{markdown_table(rows, COLUMNS, '.3g')}\n\n"
+                f"Slowest against plain: {slowest(rows, 'speedup')}; {slowest(rows, 'graph_speedup')}. "
+                f"Outputs disagree in {mismatched} rows (allclose, rtol {TOLERANCE}, atol {TOLERANCE} x max "
+                f"|plain|).\n")
         write_report(args, "tp_layers.md", text)
     comm.destroy()
     finish(args)

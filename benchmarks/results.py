@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_all_to_all import DEEPEP_COLUMNS, SMS_COLUMNS, crossover_line, put_and_format_tables  # noqa: E402
+from bench_all_to_all import crossover_line, deepep_tables, put_and_format_tables  # noqa: E402
 from moe_ep.timing import markdown_table  # noqa: E402
 
 EP_COLUMNS = ["tokens", "max_tokens", "dispatch_graph_us", "dispatch_floor_us", "dispatch_link_floor_us",
@@ -52,15 +52,7 @@ def ep_section(data: dict) -> str:
                  "GPU.\n")
     if "deepep" in data:
         text += f"\n{data['deepep']}.\n"
-    if any("deepep_mode" in row for row in rows):
-        text += ("\nBeside DeepEP (the same inputs and timing, each library in a job of its own; *_vs_deepep is ours "
-                 "over DeepEP's, below 1 where ours is faster):\n\n" + markdown_table(rows, DEEPEP_COLUMNS, ".2f")
-                 + "\n")
-    if any("num_sms" in row for row in rows):
-        text += ("\nOn fewer SMs (num_sms: at most that many SMs' worth of programs a kernel), beside DeepEP's normal "
-                 "mode on its 24 (sms_vs_deepep: ours eager over DeepEP's eager):\n\n"
-                 + markdown_table([row for row in rows if "num_sms" in row], SMS_COLUMNS, ".2f") + "\n")
-    text += put_and_format_tables(rows, data.get("formats"))
+    text += deepep_tables(rows) + put_and_format_tables(rows, data.get("formats"))
     if "crossover" in data:
         text += f"\n{crossover_line(data['crossover'])}.\n"
     lines = []
