@@ -11,7 +11,7 @@ import torch
 from distributed import die, run
 from moe_ep import CallRefusedError, CommTimeoutError, EPAllToAll, link_copies, random_topk
 from moe_ep.ep.front import EPHandle, check_config, dispatchable
-from moe_ep.ep.low_latency import BAD_CALL, ONE_LAUNCH_TOKENS, combine_tiles
+from moe_ep.ep.low_latency import BAD_CALL, ONE_LAUNCH_TOKENS
 from moe_ep.ep.protocol import crossover_tokens
 from moe_ep.formats import FORMATS
 from moe_ep.reference import dequantize_fp8
@@ -403,23 +403,6 @@ def test_send_grids_follow_the_call():
     shapes = {t: tuple(ep.protocol.call_shape(t)) for t in (0, 3, 256, 257, 1024)}
     assert shapes == {0: (16, 16, 16, 1), 3: (16, 19, 19, 3), 256: (16, 36, 56, 32), 257: (2, 22, 42, 32),
                       1024: (4, 24, 44, 32)}
-
-
-@pytest.mark.parametrize("topk,world,hidden,hits,columns", [(8, 2, 7168, 4, 2048), (8, 4, 7168, 2, 4096),
-                                                             (8, 8, 7168, 1, 8192), (8, 4, 256, 2, 1024),
-                                                             (6, 4, 4096, 2, 4096), (2, 2, 4096, 1, 2048),
-                                                             (1, 2, 7168, 1, 1024)])
-def test_combine_tiles(topk, world, hidden, hits, columns):
-    """Combine's prefill tiles hold the decode tiles' K_PAD x 1024 elements as `hits` rows (top-k / world
-    rounded up to a power of two) of wider columns, no wider than the hidden size needs; decode tiles load
-    every k in its place over 1024 columns. An object's grids for both."""
-    k_pad = 1 << (topk - 1).bit_length()
-    assert combine_tiles(topk, world, hidden, prefill=False) == {"HITS": k_pad, "BLOCK_H": 1024}
-    assert combine_tiles(topk, world, hidden, prefill=True) == {"HITS": hits, "BLOCK_H": columns}
-    ep = EPAllToAll.simulated(world, 64, hidden, 16 * world, topk, num_sms=100)[0]
-    items = {tiles: world * 64 * -(-hidden // width) for tiles, width in (("", 1024), ("_prefill", columns))}
-    for tiles, count in items.items():
-        assert ep.protocol.grid[f"combine_send{tiles}"] == min(count, 8 * 100)
 
 
 def test_measure_crossover_needs_a_cuda_device():
