@@ -238,7 +238,7 @@ def main():
             stages += " (link {:.1f}, O3 {:.1f})".format(*(times.get(s, 0) for s in LLIR_PARTS))
             interesting = {k: v for k, v in shown.items() if k in (
                 "BLOCK_GROUPS", "COMPARE", "CHUNK_IDS", "EXPERTS_BLOCK", "NUM_BINS", "SCAN_CHUNKS", "SCAN_EXPERTS",
-                "WORLD_PAD", "PUTS", "BLOCK_H", "HITS", "RECV_BLOCK_H")}
+                "WORLD_PAD", "PUTS", "BLOCK_H", "RECV_BLOCK_H")}
             print(f"{world} {tokens} {path} {name} | {total:.1f} | {stages} | {regs} | {ptx // 1024} | {digest} | {interesting}",
                   flush=True)
 

@@ -382,7 +382,7 @@ def test_slots_bind_alike(world, tokens, topk, puts):
     p = EPAllToAll.simulated(world, tokens, 256, 8 * world, topk, puts=puts)[0].protocol
     bound = [p._dispatch_send, p._dispatch_recv, *p._prefill, p._dispatch]
     bound += [[table[s, ds] for s in range(p.slots) for ds in range(p.slots)]
-              for table in (p._combine_send, p._combine_recv, p._combine, *p._combine_prefill)]
+              for table in (p._combine_send, p._combine_recv, p._combine)]
     for kernels in bound:
         assert len({_alignments(kernel) for kernel in kernels}) == 1, kernels[0].fn.__name__
     layout = p.dispatch_buffers.layout
@@ -442,7 +442,7 @@ for elastic in (False, True):
     p = EPAllToAll.simulated(2, 64, 7168, 256, 8, elastic=elastic)[0].protocol
     for mode in ("decode", "prefill"):
         p.dispatch_send(0, x, ids, weights, 1, mode); p.dispatch_recv(0)
-    p.combine_send(0, 0, expert_out, 64); p.combine_recv(0, 0, y, ids, 64)
+    p.combine_send(0, 0, expert_out); p.combine_recv(0, 0, y, ids, 64)
     p.dispatch(0, x, ids, weights, 1, "decode"); p.combine(0, 0, expert_out, y, ids, 64)
 p = EPAllToAll.simulated(2, 512, 7168, 256, 8)[0].protocol      # a layout in sorted chunks
 p.dispatch_send(0, x, ids, weights, 1, "prefill"); p.dispatch(0, x, ids, weights, 1, "decode")

@@ -48,33 +48,6 @@ def test_kernels_in_the_interpreter(case):
     check_calls(*CASES[case])
 
 
-# As CASES, with tokens of more local experts than combine's prefill tiles load at once (HITS: 4 of top-8 at 2
-# ranks, 2 at 4), over two column chunks: a second load, and at 4 ranks with one expert up to four.
-WIDE_CASES = [
-    (2, [(5, 3), (0, 6), (4, 4)], 1536, 16, 8, 128, 0.1, None),
-    (4, [(3, 0, 2, 4), (2, 2, 2, 2), (1, 3, 0, 2)], 1536, 32, 8, None, 0.0, 5),
-]
-
-
-@pytest.mark.parametrize("case,hits", [(CASES[2], 2), (CASES[3], 1), (CASES[5], 1), (WIDE_CASES[0], 4),
-                                       (WIDE_CASES[1], 2)])
-def test_combine_prefill_tiles(case, hits, monkeypatch):
-    """Combine's send with its prefill tiles at every size: `hits` local expert rows a load, picked in k
-    order, another load where a token has more; bit for bit against the oracle, as the decode tiles."""
-    monkeypatch.setattr(low_latency.LowLatency, "combine_decode_tokens", -1)
-    loaded = set()
-    launch = launcher.BoundKernel.__call__
-
-    def recorded(kernel, *values, programs=None):
-        if "HITS" in kernel.fixed:
-            loaded.add(kernel.fixed["HITS"])
-        launch(kernel, *values, programs=programs)
-
-    monkeypatch.setattr(launcher.BoundKernel, "__call__", recorded)
-    check_calls(*case)
-    assert loaded == {hits}
-
-
 @pytest.mark.parametrize("case,chunk_ids", [(2, 4), (4, 4), (4, 1024)])
 def test_layout_in_sorted_chunks(case, chunk_ids, monkeypatch):
     """The layout of large calls (sorted chunks of ids, summed up by the last layout program) on small ones:

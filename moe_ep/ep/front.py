@@ -442,7 +442,7 @@ class EPAllToAll(runtime.CommObject):
         protocol = self.protocol
         if return_recv_hook and not protocol.receives_at_send:
             y = protocol.combined(slot, handle.num_tokens) if out is None else out
-            protocol.combine_send(slot, handle.slot, expert_out, handle.num_tokens)
+            protocol.combine_send(slot, handle.slot, expert_out)
             self._in_flight["combine"] += 1
             return y, _ReceiveHook("combine", functools.partial(self._combine_received, slot, handle, y))
         y = protocol.combine(slot, handle.slot, expert_out, out, handle.topk_ids, handle.num_tokens)

@@ -66,28 +66,7 @@ def item_columns(columns: int, group: int) -> int:
 # What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``), and
 # after them the tensor scale where the payload format has one (nvfp4: ``dispatch_arguments``).
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
-# Combine's send loads a token's local expert rows, HITS rows of BLOCK_H columns a load. Its decode tiles load
-# every k in its place (HITS = K_PAD) over COMBINE_COLUMNS columns: one load a work item, masked where k's expert
-# is on another rank. Its prefill tiles, for calls of more than COMBINE_DECODE_TOKENS tokens, load the same
-# K_PAD * COMBINE_COLUMNS elements (the same registers) as HITS = top-k / world rows (the local experts of a
-# token routed evenly, rounded up to a power of two: 2 of 8 at 4 ranks, 4096 columns), picked in k order: a
-# [K_PAD, 1024] load carried data in 1 / world of its rows, so a program, one work item in flight, kept that
-# fraction of the bytes in flight its registers could. A token with more local experts than HITS takes a second
-# load after the first; decode calls, where a program has one work item and the slowest sets the time, keep one.
-COMBINE_COLUMNS = 1024
-COMBINE_DECODE_TOKENS = 512
-
-
-def combine_tiles(topk: int, world: int, hidden: int, prefill: bool) -> dict[str, int]:
-    """Combine's send tiles (HITS rows of BLOCK_H columns a load), decode or prefill."""
-    k_pad = triton.next_power_of_2(topk)
-    if not prefill:
-        return dict(HITS=k_pad, BLOCK_H=COMBINE_COLUMNS)
-    hits = min(k_pad, triton.next_power_of_2(triton.cdiv(topk, world)))
-    columns = min(COMBINE_COLUMNS * k_pad // hits, max(COMBINE_COLUMNS, triton.next_power_of_2(hidden)))
-    return dict(HITS=hits, BLOCK_H=columns)
-
-
+COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
 # flight per program.
 COMBINE_RECV_COLUMNS = 4096
@@ -254,7 +233,6 @@ class LowLatency(KernelProtocol):
     kernel_names = kernels.KERNELS
     stamp_names = kernels.STAMPS
     one_launch_tokens = ONE_LAUNCH_TOKENS
-    combine_decode_tokens = COMBINE_DECODE_TOKENS
     # Dispatch's send and receive in one wave of programs (grids cut to what the SMs hold at once): a program
     # of a later wave starts only when one of the first wave has done all its items, so a grid of 1.4 waves
     # takes as long as two. On one H200 (prefill tiles, graph): the receive's cut (48 registers, 10 programs an
@@ -285,24 +263,18 @@ class LowLatency(KernelProtocol):
         self._items = items = {"dispatch_send": triton.cdiv(H, self._columns["decode"]),
                                "dispatch_send_prefill": triton.cdiv(H, self._columns["prefill"]),
                                "combine_recv": triton.cdiv(H, COMBINE_RECV_COLUMNS)}
-        self._combine_tiles = {tiles: combine_tiles(config.topk, W, H, tiles == "prefill")
-                               for tiles in ("decode", "prefill")}
-        combine_items = {tiles: W * T * triton.cdiv(H, self._combine_tiles[tiles]["BLOCK_H"])
-                         for tiles in ("decode", "prefill")}
         work = {"dispatch_send": T * items["dispatch_send"], "dispatch_recv": W * T * items["dispatch_send"],
-                "combine_send": combine_items["decode"], "combine_recv": T * items["combine_recv"]}
+                "combine_send": W * T * triton.cdiv(H, COMBINE_COLUMNS), "combine_recv": T * items["combine_recv"]}
         work["dispatch"] = max(layout, work["dispatch_recv"])
         work["combine"] = work["combine_send"]
         grid = {name: min(n, PROGRAMS_PER_SM[name] * sms) for name, n in work.items()}
         for name, rows in (("dispatch_send", T), ("dispatch_recv", W * T)):
             grid[f"{name}_prefill"] = min(rows * items["dispatch_send_prefill"],
                                           PREFILL_PROGRAMS * PROGRAMS_PER_SM[name] * sms)
-        for name in ("combine_send", "combine"):
-            grid[f"{name}_prefill"] = min(combine_items["prefill"], PROGRAMS_PER_SM[name] * sms)
         grid["dispatch_send"] += layout
         grid["dispatch_send_prefill"] += layout
         if INTERPRETING:            # one program at a time: a second one could never be waited for
-            grid["dispatch"] = grid["combine"] = grid["combine_prefill"] = 1
+            grid["dispatch"] = grid["combine"] = 1
         self._start(status, grid, sms)
         self.dispatch_buffers = dispatch_buffers(config, symmetric_zeros, self.local)
         self.combine_buffers = CombineBuffers(data=symmetric_zeros((S, W, T, H), config.dtype),
@@ -378,7 +350,8 @@ class LowLatency(KernelProtocol):
                         kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
                         kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
         combine_send = [dict(kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
-                             kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed, num_warps=4,
+                             kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed,
+                             BLOCK_H=COMBINE_COLUMNS, num_warps=4,
                              enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
                         for ds in range(SLOTS)]
         combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers,
@@ -401,19 +374,13 @@ class LowLatency(KernelProtocol):
                                     staged_w_ptr=d.weights, **{**send[s], **receive[s]}, **quantize,
                                     BLOCK_GROUPS=self._columns["decode"] // group, **self.send_layout)
                           for s in range(SLOTS)]
-        def combines(suffix: str, tiles: dict):
-            """Combine's send kernels and one-launch kernels per slot and dispatch slot, on the grids named with
-            `suffix`, with send `tiles` (``combine_tiles``)."""
-            return ({(s, ds): self.bind(f"combine_send{suffix}", kernels.combine_send_kernel, s, ("y_ptr",),
-                                        **combine_send[ds], **tiles) for s in range(SLOTS) for ds in range(SLOTS)},
-                    {(s, ds): self.bind(f"combine{suffix}", kernels.combine_kernel, s,
-                                        ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"), lost_ptr=self.lost_experts[ds],
-                                        **{**combine_send[ds], **combine_recv}, **tiles)
-                     for s in range(SLOTS) for ds in range(SLOTS)})
-
-        self._combine_send, self._combine = combines("", self._combine_tiles["decode"])
-        self._combine_prefill = combines("_prefill", self._combine_tiles["prefill"])
+        self._combine_send = {(s, ds): self.bind("combine_send", kernels.combine_send_kernel, s, ("y_ptr",),
+                                                 **combine_send[ds]) for s in range(SLOTS) for ds in range(SLOTS)}
         self._combine_recv = {(s, ds): self.bind("combine_recv", kernels.combine_recv_kernel, s,
                                                  ("out_ptr", "ids_ptr", "num_tokens"), lost_ptr=self.lost_experts[ds],
                                                  **combine_recv, **early)
                               for s in range(SLOTS) for ds in range(SLOTS)}
+        self._combine = {(s, ds): self.bind("combine", kernels.combine_kernel, s,
+                                            ("y_ptr", "out_ptr", "ids_ptr", "num_tokens"),
+                                            lost_ptr=self.lost_experts[ds], **{**combine_send[ds], **combine_recv})
+                         for s in range(SLOTS) for ds in range(SLOTS)}

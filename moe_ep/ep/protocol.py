@@ -9,7 +9,7 @@ What it offers, each launch on the current stream:
     dispatch_send(slot, x, topk_ids, topk_weights, call, mode,   # this rank's tokens to their ranks
                   tensor_scale)
     dispatch_recv(slot)                                          # fills outputs[slot]
-    combine_send(slot, dispatch_slot, expert_out, num_tokens)    # weighted sums back to their sources
+    combine_send(slot, dispatch_slot, expert_out)                # weighted sums back to their sources
     combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)   # adds them up into out [T, H]
     dispatch(...), combine(...) -> y                             # both phases (one launch where it may)
     combined(slot, num_tokens)                                   # combine's y [T, H] when no `out` is given
@@ -22,8 +22,7 @@ dispatch and combine only: the front runs them whole and hands out a hook that d
 `tensor_scale` is the per-tensor scale of a payload format with one (nvfp4: float32 [1] or [] on the device),
 else None. `mode` (MODES) picks dispatch's kernels: "decode" tiles (one launch without a hook, where the
 protocol may), "prefill" tiles (a send and a receive kernel), or "auto": decode up to
-`one_launch_tokens` tokens, prefill above and in CUDA graphs. Combine's send takes its prefill tiles for
-calls of more than `combine_decode_tokens` tokens (num_tokens: this rank's, as every combine's receive).
+`one_launch_tokens` tokens, prefill above and in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -135,7 +134,6 @@ class EPProtocol:
     agrees_on_calls = False    # calls are host collectives: every rank's verdict on a call is exchanged first
     checks_ids_on_host = False   # topk_ids are range-checked by check_ids before a dispatch, not on the device
     one_launch_tokens = 0      # "auto" dispatches of more tokens take the prefill tiles
-    combine_decode_tokens = 0  # combines of more tokens take the prefill tiles of combine's send
     status: torch.Tensor | None = None
 
     def __init__(self, config: EPConfig, resources: EPResources):
@@ -186,8 +184,7 @@ class KernelProtocol(EPProtocol):
     ``live_table``) and bind in ``connect`` the launches of each phase: `_dispatch_send`, `_dispatch_recv`
     (per slot), `_combine_send` (per slot and dispatch slot), `_combine_recv` (per slot and dispatch slot),
     of both phases at once: `_dispatch` (per slot), `_combine` (per slot and dispatch slot), and
-    `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles, `_combine_prefill`:
-    combine's send and one-launch kernels (per slot and dispatch slot) with its prefill tiles; and say in
+    `_prefill`: dispatch's send and receive kernels (per slot) with the prefill tiles; and say in
     ``call_shape`` what a call of some number of tokens launches.
     """
 
@@ -375,12 +372,11 @@ class KernelProtocol(EPProtocol):
         if capturing(self.cuda):
             return
         receive = (out, topk_ids, num_tokens)
-        send = self._combines(num_tokens)[0][slot, dispatch_slot]
-        key = ("combine", slot, dispatch_slot, send.key((expert_out,)),
+        key = ("combine", slot, dispatch_slot, self._combine_send[slot, dispatch_slot].key((expert_out,)),
                self._combine_recv[slot, dispatch_slot].key(receive))
         if key in self._ready:
             return
-        send.prepare(expert_out)
+        self._combine_send[slot, dispatch_slot].prepare(expert_out)
         self._combine_recv[slot, dispatch_slot].prepare(*receive)
         self._ready.add(key)
 
@@ -406,11 +402,11 @@ class KernelProtocol(EPProtocol):
         if self.remote:
             self._ready_combine(slot, dispatch_slot, expert_out, out, topk_ids, num_tokens)
         if not self.one_launch:
-            self.combine_send(slot, dispatch_slot, expert_out, num_tokens)
+            self.combine_send(slot, dispatch_slot, expert_out)
             self.combine_recv(slot, dispatch_slot, out, topk_ids, num_tokens)
             return out
         self.reset_stamps("combine")
-        self._combines(num_tokens)[1][slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
+        self._combine[slot, dispatch_slot](expert_out, out, topk_ids, num_tokens)
         return out
 
     def dispatch_send(self, slot: int, x, topk_ids, topk_weights, call: int, mode: str, tensor_scale=None) -> None:
@@ -441,14 +437,9 @@ class KernelProtocol(EPProtocol):
             return mode == "prefill"
         return tokens > self.one_launch_tokens or capturing(self.cuda)
 
-    def combine_send(self, slot: int, dispatch_slot: int, expert_out, num_tokens: int) -> None:
+    def combine_send(self, slot: int, dispatch_slot: int, expert_out) -> None:
         self.reset_stamps("combine")
-        self._combines(num_tokens)[0][slot, dispatch_slot](expert_out)
-
-    def _combines(self, tokens: int) -> tuple[dict, dict]:
-        """Combine's send and one-launch kernels for a call of `tokens` tokens: with the decode tiles up to
-        combine_decode_tokens, the prefill tiles above."""
-        return self._combine_prefill if tokens > self.combine_decode_tokens else (self._combine_send, self._combine)
+        self._combine_send[slot, dispatch_slot](expert_out)
 
     def combine_recv(self, slot: int, dispatch_slot: int, out, topk_ids, num_tokens: int) -> None:
         self._combine_recv[slot, dispatch_slot](out, topk_ids, num_tokens,

@@ -717,89 +717,50 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
 
 
 @triton.jit
-def _combine_meta(kept_ids_ptr, kept_row_ptr, kept_w_ptr, kept, ww, item, items, chunks, max_tokens, rank, world,
-                  topk, K_PAD: tl.constexpr):
-    """Work item `item` of combine's send (``_combine_item``): the token's expert ids, rows and weights [K_PAD]
-    as dispatch's receive kept them, rows -1 and weights 0 where the expert is on another rank, and for an item
-    past `items` or past the rows its source sent (kept [WORLD_PAD] at ranks ww: a source's rows, 0 where not
-    live) everywhere: such an item loads nothing."""
-    kk = tl.arange(0, K_PAD)
-    src, t, src_row, _ = _combine_item(item, chunks, max_tokens, rank, world)
-    on = kk < tl.where((item < items) & (t < _pick(kept, ww, src)), topk, 0)
-    meta = src_row * topk + kk
-    return (tl.load(kept_ids_ptr + meta, mask=on, other=-1), tl.load(kept_row_ptr + meta, mask=on, other=-1),
-            tl.load(kept_w_ptr + meta, mask=on, other=0.0))
-
-
-@triton.jit
-def _add_rows(acc, y_ptr, rows, weights, on, cols, mask, hidden):
-    """acc [BLOCK_H] (fp32) + weights[j] * y[rows[j], cols] for j in order over the rows `on`, in one load of
-    the [N, BLOCK_H] block (N: the length of rows, weights and on): the rows not on add +0."""
-    y = tl.load(y_ptr + rows[:, None] * hidden + cols[None, :], mask=on[:, None] & mask[None, :], other=0.0)
-    terms = weights[:, None] * y.to(tl.float32)
-    # The sum in order, row by row: the sum of a column of `terms` with -0 in every row but j is its row j
-    # exactly (x + -0 = x), whatever order tl.sum adds in; adding a +0 term leaves the running sum as it was
-    # (it starts at +0, so it is never -0).
-    jj = tl.arange(0, rows.shape[0])
-    for j in tl.static_range(rows.shape[0]):
-        acc += tl.sum(tl.where(jj[:, None] == j, terms, -0.0), 0)
-    return acc
-
-
-@triton.jit
 def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
                         slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
-                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, HITS: tl.constexpr, WORLD_PAD: tl.constexpr,
-                        PUTS: tl.constexpr):
+                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, PUTS: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (source row, column chunk), the source fastest
     (``_combine_item``): the weighted sum over the token's local experts, in fp32, k order, stored once into
     the source rank's combine buffer (for the sources in `live`, bits). With PUTS, a chunk staged for a source
     of `remote` (bits) is put to it at once.
 
-    The token's local expert rows come HITS at a time in one [HITS, BLOCK_H] load, all in flight at once,
-    in k order: the first HITS of its local experts, then the next HITS, ... (low_latency.combine_tiles; a
-    load per k instead compiled to loads issued one after another, each waiting for the one before:
-    benchmarks/NOTES.md). The next item's ids, rows and weights load while this item's rows do: an item
-    waits for one load, not for its metadata and then its rows."""
+    The token's k expert rows come in one [K_PAD, BLOCK_H] load, all in flight at once. A load per k
+    (masked, into a running sum) compiled to loads issued one after another, each waiting for the one
+    before (benchmarks/NOTES.md)."""
     rows_per_expert = world * max_tokens
     chunks = tl.cdiv(hidden, BLOCK_H)
-    hh = tl.arange(0, HITS)
-    ww = tl.arange(0, WORLD_PAD)
-    kept = tl.load(kept_tokens_ptr + ww, mask=(ww < world) & _bit(live, ww), other=0)
-    items = world * tl.max(kept, 0) * chunks
-    ids, rows, weights = _combine_meta(kept_ids_ptr, kept_row_ptr, kept_w_ptr, kept, ww, item0, items, chunks,
-                                       max_tokens, rank, world, topk, K_PAD)
-    for item in range(item0, items, items_step):
-        next_ids, next_rows, next_weights = _combine_meta(kept_ids_ptr, kept_row_ptr, kept_w_ptr, kept, ww,
-                                                          item + items_step, items, chunks, max_tokens, rank,
-                                                          world, topk, K_PAD)
-        src, t, _, chunk = _combine_item(item, chunks, max_tokens, rank, world)
-        local = rows >= 0
-        hits = tl.sum(local.to(tl.int32), 0)
-        if hits > 0:
-            expert_rows = tl.where(local, ids - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + rows
-            cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask = cols < hidden
-            acc = tl.zeros((BLOCK_H,), tl.float32)
-            if HITS == K_PAD:                           # decode tiles: every k in its place, one load
-                acc = _add_rows(acc, y_ptr, expert_rows, weights, local, cols, mask, hidden)
-            else:
-                place = tl.where(local, tl.cumsum(local.to(tl.int32), 0) - 1, -1)     # k's place among the hits
-                for hit0 in range(0, hits, HITS):
-                    # hits hit0 .. hit0 + HITS - 1: their rows and weights picked out of the K_PAD (one each)
-                    picked = place[None, :] == (hit0 + hh)[:, None]                     # [HITS, K_PAD]
-                    acc = _add_rows(acc, y_ptr, tl.sum(tl.where(picked, expert_rows[None, :], 0), 1),
-                                    tl.sum(tl.where(picked, weights[None, :], 0.0), 1), hit0 + hh < hits, cols,
-                                    mask, hidden)
-            out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
-            row = (slot * world + rank).to(tl.int64) * max_tokens + t
-            tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
-            if PUTS:
-                if _bit(remote, src):
-                    first = chunk * BLOCK_H
-                    _put_span(peers, C_DATA, rank, src, world, row * hidden + first,
-                              tl.minimum(hidden - first, BLOCK_H), y_ptr.dtype.element_ty)
-        ids, rows, weights = next_ids, next_rows, next_weights
+    kk = tl.arange(0, K_PAD)
+    longest = _longest(kept_tokens_ptr, live, world, WORLD_PAD)
+    for item in range(item0, world * longest * chunks, items_step):
+        src, t, src_row, chunk = _combine_item(item, chunks, max_tokens, rank, world)
+        if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
+            meta = src_row * topk + kk           # rows -1 and weights 0 where the expert is not local
+            ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
+            rows = tl.load(kept_row_ptr + meta, mask=kk < topk, other=-1)
+            weights = tl.load(kept_w_ptr + meta, mask=kk < topk, other=0.0)
+            local = rows >= 0
+            if tl.max(local.to(tl.int32), 0) > 0:
+                expert_rows = tl.where(local, ids - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + rows
+                cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+                mask = cols < hidden
+                y = tl.load(y_ptr + expert_rows[:, None] * hidden + cols[None, :],
+                            mask=local[:, None] & mask[None, :], other=0.0)
+                terms = weights[:, None] * y.to(tl.float32)       # +0 in the rows of other ranks' experts
+                # The sum in k order, row by row: the sum of a column of `terms` with -0 in every row but k is
+                # its row k exactly (x + -0 = x), whatever order tl.sum adds in; adding a +0 term leaves the
+                # running sum as it was (it starts at +0, so it is never -0).
+                acc = tl.zeros((BLOCK_H,), tl.float32)
+                for k in tl.static_range(K_PAD):
+                    acc += tl.sum(tl.where(kk[:, None] == k, terms, -0.0), 0)
+                out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
+                row = (slot * world + rank).to(tl.int64) * max_tokens + t
+                tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
+                if PUTS:
+                    if _bit(remote, src):
+                        first = chunk * BLOCK_H
+                        _put_span(peers, C_DATA, rank, src, world, row * hidden + first,
+                                  tl.minimum(hidden - first, BLOCK_H), y_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -914,7 +875,7 @@ def combine_send_kernel(
     peers,                                                   # int64 [COMBINE_PEERS, world]
     freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, HITS: tl.constexpr, WORLD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
@@ -924,8 +885,7 @@ def combine_send_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
                             tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, HITS,
-                            WORLD_PAD, PUTS)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
             world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
@@ -1021,8 +981,7 @@ def combine_kernel(
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
-    BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, HITS: tl.constexpr,
-    WORLD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
@@ -1033,8 +992,7 @@ def combine_kernel(
     if ok:
         _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
                             slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, HITS,
-                            WORLD_PAD, PUTS)
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
             remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
