@@ -143,6 +143,26 @@ def test_plain_path_matches_the_oracle(world):
     run(_everything, world)
 
 
+def _sums_come_back_in_the_dtype_of_a(rank, world):
+    """gemm_ar and gemm_rs return a's dtype whatever dtype the GEMM gave (bfloat16 for float32 operands under
+    autocast): the partials summed in that dtype (sum_dtype=None) or in sum_dtype, then cast to a's."""
+    a, w = operands(rank, 2 * world, 16, 8, torch.float32, False, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        partial = a @ w
+        results = {sum_dtype: (plain.gemm_ar(a, w, sum_dtype=sum_dtype), plain.gemm_rs(a, w, sum_dtype=sum_dtype))
+                   for sum_dtype in (None, torch.float32)}
+    assert partial.dtype == torch.bfloat16
+    for sum_dtype, (reduced, scattered) in results.items():
+        summed = partial.to(sum_dtype or partial.dtype, copy=True)
+        all_reduce(summed)
+        assert torch.equal(reduced, summed.float()), sum_dtype
+        assert torch.equal(scattered, summed.float()[2 * rank:2 * rank + 2]), sum_dtype
+
+
+def test_sums_come_back_in_the_dtype_of_a():
+    run(_sums_come_back_in_the_dtype_of_a, 2)
+
+
 def test_production_never_imports_the_oracle():
     root = Path(__file__).resolve().parents[1]
     files = [f for path in map(root.joinpath, PRODUCTION) for f in (path.rglob("*.py") if path.is_dir() else [path])]
