@@ -27,7 +27,7 @@ BAD_CALL, EVICTED = STATUS_BAD_CALL.value, STATUS_EVICTED.value    # status word
 # and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the
 # one-launch kernels' programs wait for each other, so their grids are cut to what the compiled kernel's
 # registers let the SMs hold at once (launcher.resident_programs; ptxas for sm_90 at H = 7168, top-8, 64
-# tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 80, 6).
+# tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 88, 5).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
                    "dispatch": 8, "combine": 8}
 # Eager dispatches of mode "auto" take the decode tiles up to this many tokens, in one launch without a hook, the
@@ -66,7 +66,12 @@ def item_columns(columns: int, group: int) -> int:
 # What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``), and
 # after them the tensor scale where the payload format has one (nvfp4: ``dispatch_arguments``).
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
-COMBINE_COLUMNS = 1024       # columns per combine_send work item: its k rows of 1024 are loaded at once
+# Columns per combine_send work item: its k expert rows of COMBINE_COLUMNS are loaded at once, and a program keeps
+# one item in flight, so an item's bytes are what a program moves per round trip. On 2 x H200 (graph, us, at 512
+# / 4096 tokens) 1024 columns took 48.9 / 297.3 and 2048 took 40.8 / 253.7, with 88 registers a thread where 1024
+# took 64 (5 programs an SM where 8 fit): fewer programs holding more bytes each won (benchmarks/NOTES.md,
+# "Combine's work items").
+COMBINE_COLUMNS = 2048
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
 # flight per program.
 COMBINE_RECV_COLUMNS = 4096
