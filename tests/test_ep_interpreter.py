@@ -132,8 +132,10 @@ def test_payload_formats_over_column_chunks_and_puts(name, columns, hidden, most
     tiles of twice that, or of `columns` where `most_groups` groups a work item hold them there: each chunk's
     payload and scales items land at their own place; nvfp4's rows of 208 columns, 104 bytes, end in a partial
     chunk of either tiles) and every peer reached by puts (rows put per chunk, their payload items counted in
-    bytes; their scales put with the call's metadata, items of their storage type)."""
+    bytes; their scales put with the call's metadata, items of their storage type). Combine's send takes work
+    items of `columns` columns too: its sums stored and put chunk by chunk, the last one partial for nvfp4."""
     monkeypatch.setattr(low_latency, "CHUNK_COLUMNS", columns)
+    monkeypatch.setattr(low_latency, "COMBINE_COLUMNS", columns)
     monkeypatch.setattr(low_latency, "PREFILL_CHUNK_COLUMNS", 2 * columns)
     monkeypatch.setattr(low_latency, "MAX_ITEM_GROUPS", most_groups)
     world, calls, experts, topk, drop = FORMAT_WORLDS[1]
