@@ -294,42 +294,40 @@ def crossover(max_tokens: int, iters: int) -> int:
     return tokens
 
 
+def second_object(ep: EPAllToAll, x, ids, weights, expert_out, iters: int, eager: bool = True) -> dict:
+    """The setting's calls on another object `ep` (destroyed after): {"<op>_<how>_us": us} for dispatch and
+    combine in graphs (iters // 4 replays) and, with `eager`, eager (iters calls); each combine takes the handle
+    of a dispatch just before it (a graph's dispatches move the slots on)."""
+    dispatch = lambda: ep.dispatch(x, ids, weights)                 # noqa: E731
+    combine = lambda: ep.combine(expert_out, handle)                # noqa: E731
+    times = {"dispatch_graph_us": graph_median(dispatch, iters // 4)}
+    if eager:
+        times["dispatch_eager_us"] = eager_median(dispatch, iters)
+    *_, handle = dispatch()
+    times["combine_graph_us"] = graph_median(combine, iters // 4)
+    if eager:
+        *_, handle = dispatch()
+        times["combine_eager_us"] = eager_median(combine, iters)
+    ep.destroy()
+    return times
+
+
 def put_path(out: dict, x, ids, weights, expert_out, max_tokens: int, iters: int, full: bool) -> None:
     """The same calls (the setting's `inputs`) with every peer reached through NVSHMEM puts (puts="all") into
     `out`, as put_<time> beside the pointer path's <time>, and their ratio puts_over_pointers_<op>_<how>."""
     ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, puts="all")
-    *_, handle = ep.dispatch(x, ids, weights)
-    dispatch = lambda: ep.dispatch(x, ids, weights)               # noqa: E731
-    combine = lambda: ep.combine(expert_out, handle)              # noqa: E731
-    out["put_dispatch_graph_us"] = graph_median(dispatch, iters // 4)
-    *_, handle = ep.dispatch(x, ids, weights)
-    out["put_combine_graph_us"] = graph_median(combine, iters // 4)
-    if full:
-        *_, handle = ep.dispatch(x, ids, weights)
-        out["put_dispatch_eager_us"] = eager_median(dispatch, iters)
-        *_, handle = ep.dispatch(x, ids, weights)
-        out["put_combine_eager_us"] = eager_median(combine, iters)
-    ep.destroy()
-    for op in ("dispatch", "combine"):
-        for how in ("graph", "eager") if full else ("graph",):
-            out[f"puts_over_pointers_{op}_{how}"] = out[f"put_{op}_{how}_us"] / out[f"{op}_{how}_us"]
+    for key, us in second_object(ep, x, ids, weights, expert_out, iters, eager=full).items():
+        out[f"put_{key}"] = us
+        out[f"puts_over_pointers_{key.removesuffix('_us')}"] = us / out[key]
 
 
 def few_sms(out: dict, x, ids, weights, expert_out, max_tokens: int, num_sms: int, iters: int) -> None:
     """Dispatch and combine on an object limited to `num_sms` SMs' worth of programs, graph and eager,
     into out as <op>_sms_<how>_us."""
     ep = EPAllToAll(max_tokens, HIDDEN, EXPERTS, TOPK, fp8_dispatch=True, fp8_group=GROUP, num_sms=num_sms)
-    dispatch = lambda: ep.dispatch(x, ids, weights)                 # noqa: E731
-    *_, handle = dispatch()
-    combine = lambda: ep.combine(expert_out, handle)                # noqa: E731
     out["num_sms"] = num_sms
-    out["dispatch_sms_graph_us"] = graph_median(dispatch, iters // 4)
-    out["dispatch_sms_eager_us"] = eager_median(dispatch, iters)
-    *_, handle = dispatch()
-    out["combine_sms_graph_us"] = graph_median(combine, iters // 4)
-    *_, handle = dispatch()
-    out["combine_sms_eager_us"] = eager_median(combine, iters)
-    ep.destroy()
+    for key, us in second_object(ep, x, ids, weights, expert_out, iters).items():
+        out[key.replace("_", "_sms_", 1)] = us
 
 
 def measure(tokens: int, max_tokens: int, iters: int, full: bool, with_breakdown: bool, copy_GBps: float | None,
