@@ -142,6 +142,21 @@ def test_payload_formats_over_column_chunks_and_puts(name, columns, hidden, most
     check_calls(world, calls, hidden, experts, topk, FORMATS[name], drop, None, puts="all")
 
 
+@pytest.mark.parametrize("hits", [1, 2, 4])
+@pytest.mark.parametrize("whole_rows", [False, True])
+def test_combine_loads_a_token_s_hits_in_several_loads(hits, whole_rows, monkeypatch):
+    """Combine's send with loads of fewer expert rows than a token has local hits (low_latency.combine_hits):
+    the second, third, ... load of a token add its next hits in k order, bit for bit the reference's sums;
+    a token whose hits fill a load exactly reads one more load of none. Top-4 of 8 experts on 2 ranks: up
+    to 4 local hits a token, and every token of one call on expert 0 (one_expert). Rows of 4 column chunks,
+    taken chunk by chunk as work items, or whole (COMBINE_WHOLE_ROWS 0: at any number of rows a program)."""
+    monkeypatch.setattr(low_latency, "combine_hits", lambda topk, world: hits)
+    monkeypatch.setattr(low_latency, "COMBINE_COLUMNS", 32)
+    monkeypatch.setattr(low_latency, "COMBINE_WHOLE_ROWS", 0 if whole_rows else 2**20)
+    check_calls(2, [(5, 3), (4, 6)], 128, 8, 4, None, 0.25, None)
+    check_calls(2, [(3, 4)], 128, 8, 4, 64, 0.0, 0)
+
+
 @pytest.mark.parametrize("name", ["fp8_ue8m0", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("puts,nodes", [("auto", 1), ("auto", 2)])
 def test_payload_formats_at_the_edges(name, puts, nodes):

@@ -27,7 +27,7 @@ BAD_CALL, EVICTED = STATUS_BAD_CALL.value, STATUS_EVICTED.value    # status word
 # and NVLink latency. A split kernel may ask for more than fit at once (the rest start as SMs free up); the
 # one-launch kernels' programs wait for each other, so their grids are cut to what the compiled kernel's
 # registers let the SMs hold at once (launcher.resident_programs; ptxas for sm_90 at H = 7168, top-8, 64
-# tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 88, 5).
+# tokens on 2 ranks: dispatch 124 registers a thread, 4 programs per SM; combine 90, 5).
 PROGRAMS_PER_SM = {"dispatch_send": 5, "dispatch_recv": 8, "combine_send": 8, "combine_recv": 8,
                    "dispatch": 8, "combine": 8}
 # Eager dispatches of mode "auto" take the decode tiles up to this many tokens, in one launch without a hook, the
@@ -66,12 +66,29 @@ def item_columns(columns: int, group: int) -> int:
 # What a dispatch launch passes per call (layout_blocks: the call's layout programs, from ``layout_blocks``), and
 # after them the tensor scale where the payload format has one (nvfp4: ``dispatch_arguments``).
 DISPATCH_ARGUMENTS = ("x_ptr", "ids_ptr", "w_ptr", "num_tokens", "call", "layout_blocks")
-# Columns per combine_send work item: its k expert rows of COMBINE_COLUMNS are loaded at once, and a program keeps
-# one item in flight, so an item's bytes are what a program moves per round trip. On 2 x H200 (graph, us, at 512
-# / 4096 tokens) 1024 columns took 48.9 / 297.3 and 2048 took 40.8 / 253.7, with 88 registers a thread where 1024
-# took 64 (5 programs an SM where 8 fit): fewer programs holding more bytes each won (benchmarks/NOTES.md,
+# Columns per combine_send work item: a token's expert rows of COMBINE_COLUMNS are loaded at once, and a program
+# keeps one item in flight, so an item's bytes are what a program moves per round trip. On 2 x H200 (graph, us, at
+# 512 / 4096 tokens) 1024 columns took 48.9 / 297.3 and 2048 took 40.8 / 253.7, with 88 registers a thread where
+# 1024 took 64 (5 programs an SM where 8 fit): fewer programs holding more bytes each won (benchmarks/NOTES.md,
 # "Combine's work items").
 COMBINE_COLUMNS = 2048
+
+
+def combine_hits(topk: int, world: int) -> int:
+    """Expert rows of a token a combine_send load holds (dispatch's receive keeps its local hits first, in k
+    order): twice the top-k / world a rank holds on average, a power of 2 (top-8: 8 at 2 ranks, 4 at 4, 2 at 8),
+    so that few tokens take a second load and few of a load's registers hold no row. On 2 x H200 at 4096
+    tokens, 4 rows a load (36% of the tokens take a second) lost to 8: 260.5 against 249.7 us on every SM,
+    687.3 against 593.6 on 24 SMs' worth of programs (benchmarks/NOTES.md, "Combine's hits first")."""
+    return min(triton.next_power_of_2(topk), triton.next_power_of_2(-(-2 * topk // world)))
+
+
+# Combine's send takes whole rows as work items (a row's chunks one after another) where there are this many rows
+# a program or more. A program's time per item is a chain of round trips (the token's hits, then their expert
+# rows, then the sum); a row's later chunks find its hits in the SM's L1 cache. On 2 x H200 at 4096 tokens on 24
+# SMs' worth of programs (one or two an SM, so each program's chain is the time), 653.1 -> 593.6 us; on every SM,
+# where HBM and the link bound it, 253.1 -> 249.7. With few rows a program, chunks keep more programs busy.
+COMBINE_WHOLE_ROWS = 8
 # Columns per combine_recv work item: a rank's row a work item, so wider than the send's to keep as many bytes in
 # flight per program.
 COMBINE_RECV_COLUMNS = 4096
@@ -115,9 +132,9 @@ class DispatchBuffers:
     recv_scales: torch.Tensor  # [S, E_loc, R, G] like scales: their scales, as sent
     recv_count: torch.Tensor   # [S, E_loc] i32: valid rows per local expert
     recv_src: torch.Tensor     # [S, E_loc, R] i32: (source * T + t) * K + k of each row
-    kept_ids: torch.Tensor     # [S, W, T, K] i32: the received ids, for combine_send
-    kept_weights: torch.Tensor  # [S, W, T, K] f32: the received weights (0 for other ranks' experts)
-    kept_rows: torch.Tensor    # [S, W, T, K] i32: the row of each local hit in recv_x (-1: not local)
+    # for combine_send, per source token its local hits first, in k order (the places after them: row -1)
+    kept_weights: torch.Tensor  # [S, W, T, K] f32: their weights
+    kept_rows: torch.Tensor    # [S, W, T, K] i32: their rows of recv_x's [E_loc * R]
     kept_tokens: torch.Tensor  # [S, W] i32: tokens each source sent
 
 
@@ -161,7 +178,7 @@ def dispatch_buffers(config: EPConfig, symmetric_zeros, local) -> DispatchBuffer
         "positions": (S, W, T, K), "offsets": (S, W, C, EL), "counts": (S, W, EL), "tokens": (S, W),
         "arrived": (S, W), "freed": (S, W), "layout": (S, 2 + C * E),
         "recv_x": (S, EL, *P.payload_shape(W * T, H)), "recv_scales": (S, EL, W * T, G), "recv_count": (S, EL),
-        "recv_src": (S, EL, W * T), "kept_ids": (S, W, T, K), "kept_weights": (S, W, T, K),
+        "recv_src": (S, EL, W * T), "kept_weights": (S, W, T, K),
         "kept_rows": (S, W, T, K), "kept_tokens": (S, W)}
     f32, i64, scale = torch.float32, torch.int64, config.scale_dtype
     dtypes = {"data": config.payload_dtype, "scales": scale, "weights": f32, "arrived": i64, "freed": i64,
@@ -351,12 +368,12 @@ class LowLatency(KernelProtocol):
         receive = [dict(data_ptr=d.data, scale_ptr=d.scales, pos_ptr=d.positions, offset_ptr=d.offsets,
                         count_ptr=d.counts, tokens_ptr=d.tokens, arrived_ptr=d.arrived, peers=dispatch_peers,
                         recv_x_ptr=d.recv_x[s], recv_scale_ptr=d.recv_scales[s], recv_count_ptr=d.recv_count[s],
-                        recv_src_ptr=d.recv_src[s],
-                        kept_ids_ptr=d.kept_ids[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
+                        recv_src_ptr=d.recv_src[s], kept_w_ptr=d.kept_weights[s], kept_row_ptr=d.kept_rows[s],
                         kept_tokens_ptr=d.kept_tokens[s], num_warps=4) for s in range(SLOTS)]
-        combine_send = [dict(kept_ids_ptr=d.kept_ids[ds], kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
+        combine_send = [dict(kept_w_ptr=d.kept_weights[ds], kept_row_ptr=d.kept_rows[ds],
                              kept_tokens_ptr=d.kept_tokens[ds], peers=combine_peers, freed_ptr=cb.freed,
-                             BLOCK_H=COMBINE_COLUMNS, num_warps=4,
+                             BLOCK_H=COMBINE_COLUMNS, HITS=combine_hits(c.topk, c.world),
+                             WHOLE_ROWS=COMBINE_WHOLE_ROWS, num_warps=4,
                              enable_fp_fusion=False)   # mul then add, rounded twice: the reference's sums
                         for ds in range(SLOTS)]
         combine_recv = dict(data_ptr=cb.data, arrived_ptr=cb.arrived, peers=combine_peers,

@@ -25,13 +25,14 @@ dispatch_recv   (on every rank)
     token out, in local HBM, to the rows of its local experts:
     row = (rows of this expert from lower ranks) + (the chunk's offset) + (place in the chunk),
     so rows come in (source rank, token, k) order, the reference's order. It keeps what
-    combine needs (ids, weights, rows) in local memory; its last program to finish frees the
-    slot on every sender (credit counter (slot, me)).
+    combine needs in local memory (per token its local hits first, in k order: their rows and
+    weights); its last program to finish frees the slot on every sender (credit counter (slot, me)).
 
 combine_send    (on every expert rank)
-    One work item = (source rank, token, column chunk): sum_k w[k] * expert_out[row(k)]
-    over the token's local experts, in fp32, in k order, cast to the output dtype, stored
-    once into the source rank's combine buffer; the last program signals every source.
+    One work item = (source rank, token, column chunk), or with many tokens a program the
+    token's whole row: sum_k w[k] * expert_out[row(k)] over the token's local experts, in fp32,
+    in k order, cast to the output dtype, stored once into the source rank's combine buffer;
+    the last program signals every source.
 
 combine_recv    (on every source rank)
     Waits for every rank's signal, adds the per-rank rows in rank order in fp32 for the ranks
@@ -662,8 +663,8 @@ def _combine_item(item, chunks, max_tokens, rank, world):
 
 @triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
-                         recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
-                         item0, items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
+                         recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_w_ptr, kept_row_ptr, item0,
+                         items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
                          layout_chunks, reached, SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr,
                          GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
                          K_PAD: tl.constexpr, CHUNK_IDS: tl.constexpr, WORLD_PAD: tl.constexpr):
@@ -701,11 +702,15 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
                 row += tl.where(_bit(reached, s), counts, 0)
             row = tl.where(local, row, -1)
             if chunk == 0:
-                kept = src_row * topk + kk
-                tl.store(kept_ids_ptr + kept, ids, mask=kk < topk)
-                tl.store(kept_w_ptr + kept, tl.load(w_ptr + meta, mask=local, other=0.0), mask=kk < topk)
-                tl.store(kept_row_ptr + kept, row, mask=kk < topk)
-                tl.store(recv_src_ptr + expert * rows_per_expert + row, kept, mask=local)
+                # for combine's send: the token's local hits first, in k order (their place among them), each
+                # as its row of recv_x's [E_loc * R] and its weight; -1 in the places after them
+                kept = src_row * topk
+                place = tl.cumsum(local.to(tl.int32), 0) - 1
+                hits = tl.sum(local.to(tl.int32), 0)
+                tl.store(kept_row_ptr + kept + place, expert * rows_per_expert + row, mask=local)
+                tl.store(kept_w_ptr + kept + place, tl.load(w_ptr + meta, mask=local), mask=local)
+                tl.store(kept_row_ptr + kept + kk, -1, mask=(kk >= hits) & (kk < topk))
+                tl.store(recv_src_ptr + expert * rows_per_expert + row, kept + kk, mask=local)
             if any_local:
                 for k in tl.static_range(K_PAD):
                     row_k = _pick(row, kk, k)
@@ -717,50 +722,83 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
 
 
 @triton.jit
-def _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step,
-                        slot, rank, world, max_tokens, hidden, topk, experts_per_rank, live, remote,
-                        BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr, PUTS: tl.constexpr):
-    """Work items item0, item0 + items_step, ... of (source row, column chunk), the source fastest
-    (``_combine_item``): the weighted sum over the token's local experts, in fp32, k order, stored once into
-    the source rank's combine buffer (for the sources in `live`, bits). With PUTS, a chunk staged for a source
-    of `remote` (bits) is put to it at once.
+def _add_rows(acc, y_ptr, rows, w_ptr, cols, mask, hidden):
+    """acc [BLOCK_H] (fp32) + w[j] * y[rows[j], cols] for j in order over the rows >= 0 (rows [N] of y [*, hidden],
+    their weights at w_ptr[0:N]), all N rows in one [N, BLOCK_H] load; the rows < 0 add +0."""
+    jj = tl.arange(0, rows.shape[0])
+    local = rows >= 0
+    weights = tl.load(w_ptr + jj, mask=local, other=0.0)
+    y = tl.load(y_ptr + tl.where(local, rows, 0).to(tl.int64)[:, None] * hidden + cols[None, :],
+                mask=local[:, None] & mask[None, :], other=0.0)
+    terms = weights[:, None] * y.to(tl.float32)
+    # The sum in order, row by row: the sum of a column of `terms` with -0 in every row but j is its row j
+    # exactly (x + -0 = x), whatever order tl.sum adds in; adding a +0 term leaves the running sum as it was
+    # (it starts at +0, so it is never -0).
+    for j in tl.static_range(rows.shape[0]):
+        acc += tl.sum(tl.where(jj[:, None] == j, terms, -0.0), 0)
+    return acc
 
-    The token's k expert rows come in one [K_PAD, BLOCK_H] load, all in flight at once. A load per k
-    (masked, into a running sum) compiled to loads issued one after another, each waiting for the one
-    before (benchmarks/NOTES.md)."""
-    rows_per_expert = world * max_tokens
+
+@triton.jit
+def _combine_chunk(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, src, t, src_row, chunk, slot, rank,
+                   world, max_tokens, hidden, topk, live, remote, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+                   HITS: tl.constexpr, PUTS: tl.constexpr):
+    """Column chunk `chunk` of row t of source `src` (where the source is in `live`, bits, and sent a row t): its
+    token's weighted sum over this rank's experts, in fp32, k order, stored into the source rank's combine
+    buffer (and, with PUTS, put to a source of `remote`, bits).
+
+    Dispatch's receive kept each token's local hits first, in k order: a load of HITS expert rows
+    ([HITS, BLOCK_H], all in flight at once) holds them all but where a token has more, which take another
+    load each HITS. A load per row (masked, into a running sum) compiled to loads issued one after another,
+    each waiting for the one before; a load of all K_PAD rows, masked where k's expert is on another rank,
+    held (world - 1) / world of its registers at zeros (benchmarks/NOTES.md)."""
+    hh = tl.arange(0, HITS)
+    kept = src_row * topk
+    sent = (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src)
+    rows = tl.load(kept_row_ptr + kept + hh, mask=hh < tl.where(sent, topk, 0), other=-1)
+    if tl.max(rows, 0) >= 0:
+        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < hidden
+        acc = _add_rows(tl.zeros((BLOCK_H,), tl.float32), y_ptr, rows, kept_w_ptr + kept, cols, mask, hidden)
+        for more in tl.static_range(HITS, K_PAD, HITS):
+            if tl.min(rows, 0) >= 0:                     # every row of the last load was a hit
+                rows = tl.load(kept_row_ptr + kept + more + hh, mask=more + hh < topk, other=-1)
+                acc = _add_rows(acc, y_ptr, rows, kept_w_ptr + kept + more, cols, mask, hidden)
+        out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
+        row = (slot * world + rank).to(tl.int64) * max_tokens + t
+        tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
+        if PUTS:
+            if _bit(remote, src):
+                first = chunk * BLOCK_H
+                _put_span(peers, C_DATA, rank, src, world, row * hidden + first, tl.minimum(hidden - first, BLOCK_H),
+                          y_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _combine_send_items(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, item0, items_step, slot, rank,
+                        world, max_tokens, hidden, topk, live, remote, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+                        HITS: tl.constexpr, WHOLE_ROWS: tl.constexpr, WORLD_PAD: tl.constexpr, PUTS: tl.constexpr):
+    """Combine's send over work items item0, item0 + items_step, ... of the rows the sources in `live` (bits)
+    sent, the source fastest (``_combine_item``): per row, its token's weighted sum over this rank's experts
+    (``_combine_chunk``), stored once into the source rank's combine buffer.
+
+    A work item is a (row, column chunk), or where there are WHOLE_ROWS rows a program or more, a whole row, its
+    chunks one after another. A program works a chunk at a time (the load of the token's hits, then of their
+    expert rows, then the sum), so where it has many, its chunks of one row find the hits in its L1 cache after
+    the first; below, rows cut in chunks keep more programs busy."""
     chunks = tl.cdiv(hidden, BLOCK_H)
-    kk = tl.arange(0, K_PAD)
-    longest = _longest(kept_tokens_ptr, live, world, WORLD_PAD)
-    for item in range(item0, world * longest * chunks, items_step):
-        src, t, src_row, chunk = _combine_item(item, chunks, max_tokens, rank, world)
-        if (t < tl.load(kept_tokens_ptr + src)) & _bit(live, src):
-            meta = src_row * topk + kk           # rows -1 and weights 0 where the expert is not local
-            ids = tl.load(kept_ids_ptr + meta, mask=kk < topk, other=-1)
-            rows = tl.load(kept_row_ptr + meta, mask=kk < topk, other=-1)
-            weights = tl.load(kept_w_ptr + meta, mask=kk < topk, other=0.0)
-            local = rows >= 0
-            if tl.max(local.to(tl.int32), 0) > 0:
-                expert_rows = tl.where(local, ids - rank * experts_per_rank, 0).to(tl.int64) * rows_per_expert + rows
-                cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-                mask = cols < hidden
-                y = tl.load(y_ptr + expert_rows[:, None] * hidden + cols[None, :],
-                            mask=local[:, None] & mask[None, :], other=0.0)
-                terms = weights[:, None] * y.to(tl.float32)       # +0 in the rows of other ranks' experts
-                # The sum in k order, row by row: the sum of a column of `terms` with -0 in every row but k is
-                # its row k exactly (x + -0 = x), whatever order tl.sum adds in; adding a +0 term leaves the
-                # running sum as it was (it starts at +0, so it is never -0).
-                acc = tl.zeros((BLOCK_H,), tl.float32)
-                for k in tl.static_range(K_PAD):
-                    acc += tl.sum(tl.where(kk[:, None] == k, terms, -0.0), 0)
-                out = _peer(peers, C_DATA, src, world, y_ptr.dtype.element_ty)
-                row = (slot * world + rank).to(tl.int64) * max_tokens + t
-                tl.store(out + row * hidden + cols, cast_rn(acc, y_ptr.dtype.element_ty), mask=mask)
-                if PUTS:
-                    if _bit(remote, src):
-                        first = chunk * BLOCK_H
-                        _put_span(peers, C_DATA, rank, src, world, row * hidden + first,
-                                  tl.minimum(hidden - first, BLOCK_H), y_ptr.dtype.element_ty)
+    rows_sent = world * _longest(kept_tokens_ptr, live, world, WORLD_PAD)
+    if rows_sent >= WHOLE_ROWS * items_step:
+        for item in range(item0, rows_sent, items_step):
+            src, t, src_row, _ = _combine_item(item, 1, max_tokens, rank, world)
+            for chunk in range(chunks):
+                _combine_chunk(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, src, t, src_row, chunk, slot,
+                               rank, world, max_tokens, hidden, topk, live, remote, BLOCK_H, K_PAD, HITS, PUTS)
+    else:
+        for item in range(item0, rows_sent * chunks, items_step):
+            src, t, src_row, chunk = _combine_item(item, chunks, max_tokens, rank, world)
+            _combine_chunk(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, src, t, src_row, chunk, slot,
+                           rank, world, max_tokens, hidden, topk, live, remote, BLOCK_H, K_PAD, HITS, PUTS)
 
 
 @triton.jit
@@ -841,7 +879,7 @@ def dispatch_recv_kernel(
     peers,                                                   # int64 [DISPATCH_PEERS, world]: the senders' credits
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # [E_loc, R, H / ELEMENT_PACK], [E_loc, R, H/G],
                                                                 #   [E_loc], [E_loc, R]
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,    # [world, T_max, K] x3, [world]
+    kept_w_ptr, kept_row_ptr, kept_tokens_ptr,               # [world, T_max, K] x2, [world]
     finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, layout_chunks, remote, echo_addr,
     SCALE_KIND: tl.constexpr, SCALE_PACK: tl.constexpr, GROUP: tl.constexpr, ELEMENT_PACK: tl.constexpr,
@@ -860,7 +898,7 @@ def dispatch_recv_kernel(
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, stage, world,
                                   experts_per_rank, reached)
         _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
-                             recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr,
+                             recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_w_ptr, kept_row_ptr,
                              tl.program_id(0), tl.num_programs(0), stage, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, ELEMENT_PACK,
                              BLOCK_GROUPS, K_PAD, CHUNK_IDS, WORLD_PAD)
@@ -871,11 +909,11 @@ def dispatch_recv_kernel(
 @triton.jit(do_not_specialize=_INTS)
 def combine_send_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
+    kept_w_ptr, kept_row_ptr, kept_tokens_ptr,               # from the dispatch slot of the handle
     peers,                                                   # int64 [COMBINE_PEERS, world]
     freed_ptr, finished_ptr, uses_ptr, clock_ptr, status_addr, stamps_ptr, live_peers, agreed_ptr,
     slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
-    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, HITS: tl.constexpr, WHOLE_ROWS: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """Combine staging on each source rank: data [SLOTS, world, T_max, H] (output dtype);
@@ -883,9 +921,10 @@ def combine_send_kernel(
     status_ptr, use, ok, _ = _begin(stamps_ptr, uses_ptr, slot, clock_ptr, status_addr, freed_ptr, live_peers, rank,
                                     world, 1, timeout_ns, TAG_COMBINE_CREDIT, True, WORLD_PAD, ELASTIC, TIMING)
     if ok:
-        _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
-                            tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
+        _combine_send_items(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, tl.program_id(0),
+                            tl.num_programs(0), slot, rank, world, max_tokens, hidden, topk,
+                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, HITS,
+                            WHOLE_ROWS, WORLD_PAD, PUTS)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, slot * world + rank, live_peers, rank,
             world, remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
@@ -920,7 +959,7 @@ def dispatch_kernel(
     data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,   # my staging
     arrived_ptr,
     recv_x_ptr, recv_scale_ptr, recv_count_ptr, recv_src_ptr,   # as in dispatch_recv_kernel
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,
+    kept_w_ptr, kept_row_ptr, kept_tokens_ptr,
     finished_ptr, uses_ptr,                                  # [2, SLOTS] each: the send row, then the receive row
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
@@ -962,8 +1001,8 @@ def dispatch_kernel(
             _dispatch_recv_counts(tokens_ptr, count_ptr, recv_count_ptr, kept_tokens_ptr, slot * world, world,
                                   experts_per_rank, reached)
         _dispatch_recv_items(data_ptr, scale_ptr, staged_ids_ptr, staged_w_ptr, pos_ptr, offset_ptr, count_ptr,
-                             tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_ids_ptr, kept_w_ptr,
-                             kept_row_ptr, pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
+                             tokens_ptr, recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_w_ptr, kept_row_ptr,
+                             pid, programs, slot * world, rank, world, max_tokens, hidden, topk,
                              experts_per_rank, layout_chunks, reached, SCALE_KIND, SCALE_PACK, GROUP, ELEMENT_PACK,
                              BLOCK_GROUPS, K_PAD, CHUNK_IDS, WORLD_PAD)
     _finish(finished_ptr + RECV_COUNTERS + slot, uses_ptr + RECV_COUNTERS + slot, use, ok, peers, D_FREED, stage,
@@ -973,7 +1012,7 @@ def dispatch_kernel(
 @triton.jit(do_not_specialize=_INTS + ["num_tokens"])
 def combine_kernel(
     y_ptr,                                                   # expert_out [E_loc, R, H]
-    kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr,   # from the dispatch slot of the handle
+    kept_w_ptr, kept_row_ptr, kept_tokens_ptr,               # from the dispatch slot of the handle
     out_ptr, ids_ptr, lost_ptr,                              # y [T, H], this rank's topk ids [T, K], lost [T, K]
     data_ptr, arrived_ptr, freed_ptr,                        # my combine staging, arrival and credit counters
     peers,                                                   # int64 [COMBINE_PEERS, world]
@@ -981,7 +1020,8 @@ def combine_kernel(
     clock_ptr, status_addr, stamps_ptr,                      # stamps [2, 4]: send, receive
     live_peers, agreed_ptr,                                  # agreed [2, SLOTS] like finished
     num_tokens, slot, rank, world, max_tokens, hidden, topk, experts_per_rank, timeout_ns, remote, echo_addr,
-    BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, WORLD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, RECV_BLOCK_H: tl.constexpr, K_PAD: tl.constexpr, HITS: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr, WORLD_PAD: tl.constexpr,
     ELASTIC: tl.constexpr, TIMING: tl.constexpr, PUTS: tl.constexpr,
 ):
     """combine_send_kernel then combine_recv_kernel in one launch, work by program id."""
@@ -990,9 +1030,9 @@ def combine_kernel(
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = slot * world + rank
     if ok:
-        _combine_send_items(y_ptr, kept_ids_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs,
-                            slot, rank, world, max_tokens, hidden, topk, experts_per_rank,
-                            _live(live_peers, rank, world, WORLD_PAD, ELASTIC), remote, BLOCK_H, K_PAD, WORLD_PAD, PUTS)
+        _combine_send_items(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers, pid, programs, slot, rank,
+                            world, max_tokens, hidden, topk, _live(live_peers, rank, world, WORLD_PAD, ELASTIC),
+                            remote, BLOCK_H, K_PAD, HITS, WHOLE_ROWS, WORLD_PAD, PUTS)
     _finish(finished_ptr + slot, uses_ptr + slot, use, ok, peers, C_ARRIVED, stage, live_peers, rank, world,
             remote, echo_addr, stamps_ptr, WORLD_PAD, ELASTIC, TIMING, PUTS)
 
