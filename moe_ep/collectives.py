@@ -26,13 +26,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _SERVED = {"gloo": (attrgetter("is_cpu"), "cpu"), "nccl": (attrgetter("is_cuda"), "cuda")}
 
 # What every call asks of its group, remembered per group object: dist.get_backend and dist.get_world_size take
-# 0.3 to 0.5 us a call, in calls whose own host time is a few us. The keys are weak, so that no entry keeps a
-# destroyed group (and its gloo threads) alive.
-_served_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # group -> _SERVED's entry, or None
-_size_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # group -> dist.get_world_size(group)
+# 0.3 to 0.5 us a call, in calls whose own host time is a few us. The keys are the groups' ids, each entry removed
+# when its group goes (weakref.finalize), so that none keeps a destroyed group (and its gloo threads) alive or
+# answers for a later object at its address; a lookup takes half a WeakKeyDictionary's time.
+_served_by: dict[int, tuple | None] = {}    # id(group) -> _SERVED's entry, or None
+_size_of: dict[int, int] = {}               # id(group) -> dist.get_world_size(group)
 
 
-def _per_group(known: weakref.WeakKeyDictionary, ask, group):
+def _per_group(known: dict, ask, group):
     """ask(group), remembered in `known` per group object. None names the default group, looked up at every
     call: one destroyed and made again is a new object, asked anew. What cannot be remembered (None where there
     is no default group, a rank's GroupMember.NON_GROUP_MEMBER) is asked every time, and answered or refused
@@ -41,12 +42,15 @@ def _per_group(known: weakref.WeakKeyDictionary, ask, group):
     if group is None:
         group = dist.group.WORLD
     try:
-        return known[group]
+        return known[id(group)]
     except KeyError:
-        answer = known[group] = ask(group)
-        return answer
+        answer = ask(group)
+    try:
+        weakref.finalize(group, known.pop, id(group), None)
     except TypeError:             # not weakly referable: not a ProcessGroup
-        return ask(group)
+        return answer
+    known[id(group)] = answer
+    return answer
 
 
 def world_size(group=None) -> int:

@@ -13,6 +13,7 @@ Both compute the same partials a @ w (one GEMM of the same operands), so what ca
                              |out - ref| <= (W + 1) u T
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run
-from moe_ep import AsyncTP, ColumnParallelLinear, RowParallelLinear, reference
+from moe_ep import AsyncTP, CallRefusedError, ColumnParallelLinear, CommTimeoutError, RowParallelLinear, reference
 from moe_ep.collectives import all_reduce, reduce_scatter_tensor
 from moe_ep.tp import plain
 
@@ -141,6 +142,57 @@ def _everything(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_plain_path_matches_the_oracle(world):
     run(_everything, world)
+
+
+def _operands_of_a_kind_that_passed_are_still_checked(rank, world):
+    """AsyncTP remembers the kinds of operands that passed its checks (``AsyncTP._checked``): a later call of
+    such a kind skips them, and operands that differ from it in anything the checks read (dtype, device,
+    contiguity, shape, strides, the op) are checked again, and refused with the same ValueError at every call.
+    What an earlier call left (a timeout, the object destroyed) is raised all the same; on the reference
+    backend every call's verdict is still agreed on."""
+    dtype, rows, k, n = torch.bfloat16, 4, 16, 8
+    tp = AsyncTP.simulated(world, world * rows, k, dtype, overlap="never")[rank]
+    a, w = operands(rank, rows, k, n, dtype, True, seed=11)
+    a_full, _ = operands(rank, world * rows, k, n, dtype, True, seed=12)
+    checked, check = [], tp._check_operands
+    tp._check_operands = lambda op, *args: checked.append(op) or check(op, *args)
+    for _ in range(2):                                     # checked, then remembered
+        assert torch.equal(tp.gemm_ar(a, w), plain.gemm_ar(a, w))
+        assert torch.equal(tp.gemm_ar(a, w.contiguous()), plain.gemm_ar(a, w))     # w of other strides
+        assert torch.equal(tp.gemm_rs(a_full, w), plain.gemm_rs(a_full, w))
+        assert torch.equal(tp.ag_gemm(a, w), plain.ag_gemm(a, w))
+    assert checked == ["gemm_ar", "gemm_ar", "gemm_rs", "ag_gemm"]
+    refused = [("gemm_ar", a.double(), w, "a has dtype torch.float64"),
+               ("gemm_ar", a, w.half(), "w has dtype torch.float16"),
+               ("gemm_ar", a.to("meta"), w, "a is on meta, expected cpu"),
+               ("gemm_ar", a, w.to("meta"), "w is on meta, expected cpu"),
+               ("gemm_ar", a.t().contiguous().t(), w, "a must be contiguous"),
+               ("gemm_rs", a_full[1:], w, f"M={world * rows - 1} rows cannot be scattered evenly"),
+               ("ag_gemm", a_full, w, f"M={world * world * rows} exceeds this AsyncTP's max_rows={world * rows}")]
+    for _ in range(2):
+        for op, a_, w_, reason in refused:
+            with pytest.raises(ValueError, match=re.escape(reason)) as error:
+                getattr(tp, op)(a_, w_)
+            assert type(error.value) is ValueError
+    assert tp._calls() == {"gemm_ar": 4, "gemm_rs": 2, "ag_gemm": 2}      # refused calls are not counted
+
+    tp._status[0] = 1                                      # a wait of an earlier call timed out
+    for _ in range(2):
+        with pytest.raises(CommTimeoutError, match="timed out"):
+            tp.gemm_ar(a, w)
+    tp.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        tp.gemm_ar(a, w)
+
+    on_reference = AsyncTP(world * rows, k, dtype=dtype, backend="reference")
+    for _ in range(2):
+        assert torch.equal(on_reference.gemm_ar(a, w), reference.gemm_ar(a, w))
+    with pytest.raises(CallRefusedError, match=r"^gemm_ar refused by rank 0: gemm_ar: a has dtype torch.float64"):
+        on_reference.gemm_ar(a.double() if rank == 0 else a, w)
+
+
+def test_operands_of_a_kind_that_passed_are_still_checked():
+    run(_operands_of_a_kind_that_passed_are_still_checked, 2)
 
 
 def _sums_come_back_in_the_dtype_of_a(rank, world):

@@ -68,18 +68,20 @@ class Autotuner:
         first call of a shape runs `run(path)` (the op on this call's operands, result dropped) for each
         candidate, (MEASURE_WARMUP + MEASURE_ROUNDS) times, then captures GRAPH_CALLS calls of it into a
         graph: collective, as every call. A call made while its stream is being captured takes the graphs'
-        choice; RuntimeError if it is the first of a shape with candidates to time (make one eager call first)."""
+        choice; RuntimeError if it is the first of a shape with candidates to time (make one eager call first).
+        Whether the stream is being captured (a CUDA call) is asked at a shape's first call, then only where its
+        two choices differ."""
         if m == 0 or n == 0:
             return "never"
         c = self.config
         if c.overlap != "auto":
             return c.overlap
         key = (op, m, k, n)
-        captured = capturing(self.cuda)
         choice = self.choices.get(key)
         if choice is None:
-            choice = self.choices[key] = self._choose(op, m, k, n, run, captured)
-        return choice["graph_path" if captured else "path"]
+            choice = self.choices[key] = self._choose(op, m, k, n, run, capturing(self.cuda))
+        eager, graph = choice["path"], choice["graph_path"]
+        return eager if eager == graph or not capturing(self.cuda) else graph
 
     def _choose(self, op: str, m: int, k: int, n: int, run, captured: bool) -> dict:
         """The choices entry of a shape: its candidates timed eagerly and in graphs (``path``)."""
