@@ -1,8 +1,10 @@
 """Tensor-parallel linears and AsyncTP on the reference backend (gloo) against unsharded modules and torch."""
+import contextlib
 import itertools
 import re
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from cases import llama_mlp
 from distributed import run
 from moe_ep import TPMLP, AsyncTP, CallRefusedError, ColumnParallelLinear, RowParallelLinear, reference, timing
 from moe_ep.ep.protocol import capturing
+from moe_ep.layers import tp_linear
 from moe_ep.timing import GRAPH_CALLS
 from moe_ep.tp import autotune
 from moe_ep.tp.autotune import MEASURE_ROUNDS, MEASURE_WARMUP, Autotuner
@@ -152,6 +155,38 @@ def _without_sequence_parallelism(rank, world, use_comm):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_layers_without_sequence_parallelism(world, use_comm):
     run(_without_sequence_parallelism, world, use_comm)
+
+
+def _untracked_calls_skip_autograd(rank, world):
+    """Where autograd records nothing (torch.no_grad, or no input or weight requiring grad) the layers without a
+    communicator call plain's ops directly, not through the autograd functions (whose apply alone took 2-3 us of
+    host time a call): the same outputs, bit for bit, as the recorded calls, with and without sequence
+    parallelism."""
+    torch.manual_seed(0)
+    m, hidden, inner = 4 * world, 32, 16 * world
+    x = torch.randn(m, hidden)
+    mine = slice(rank * m // world, (rank + 1) * m // world)
+    mlp = llama_mlp(hidden, inner)
+    layers = {sp: TPMLP.from_mlp(mlp, sequence_parallel=sp) for sp in (True, False)}
+    inputs = {True: x[mine], False: x}
+    recorded = {sp: layer(inputs[sp]) for sp, layer in layers.items()}
+    assert all(y.requires_grad for y in recorded.values())
+    functions = [tp_linear.AllGatherGemm, tp_linear.AllReduceGrad, tp_linear.GemmAllReduce,
+                 tp_linear.GemmReduceScatter]
+    with contextlib.ExitStack() as patches:
+        for function in functions:
+            patches.enter_context(mock.patch.object(function, "apply", side_effect=AssertionError(function.__name__)))
+        with torch.no_grad():
+            for sp, layer in layers.items():
+                assert torch.equal(layer(inputs[sp]), recorded[sp]), sp
+        for sp, layer in layers.items():
+            layer.requires_grad_(False)
+            assert torch.equal(layer(inputs[sp]), recorded[sp]), sp
+
+
+@pytest.mark.parametrize("world", [2])
+def test_untracked_calls_skip_autograd(world):
+    run(_untracked_calls_skip_autograd, world)
 
 
 def _async_tp_on_the_reference_backend(rank, world):
