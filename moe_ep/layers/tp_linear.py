@@ -36,16 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tp import AsyncTP, plain
-from ..tp.autograd import AllGatherGemm, AllReduceGrad, GemmAllReduce, GemmReduceScatter
-
-
-def _tracked(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records an op on these tensors: only then do the layers go through the autograd
-    functions, whose apply costs 2-3 us of host time a call even where nothing is recorded (development CPU,
-    gloo, a decode step's layers without a communicator under torch.no_grad, collectives stubbed out: the
-    row-parallel layer 11.8-12.0 -> 8.4-9.2 us a call, its op alone 5.0-5.4; the column-parallel one 10.7-11.2
-    -> 7.6-8.1, its GEMM alone 4.8-5.1)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+from ..tp.autograd import AllGatherGemm, AllReduceGrad, GemmAllReduce, GemmReduceScatter, tracked
 
 
 def _split(total: int, world: int, what: str) -> int:
@@ -126,12 +117,12 @@ class ColumnParallelLinear(_TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M/tp rows, in] (leading dims flattened; all M rows without sequence parallelism) -> [M, out/tp]."""
         rows, weight = self._rows(x), self.weight
-        tracked = _tracked(rows, weight)
+        on_tape = tracked(rows, weight)
         if not self.sequence_parallel:
-            y = (AllReduceGrad.apply(rows, self.group) if tracked else rows) @ weight.t()
+            y = (AllReduceGrad.apply(rows, self.group) if on_tape else rows) @ weight.t()
         elif self.comm is not None:
             y = self.comm.ag_gemm(rows.contiguous(), weight.t())
-        elif tracked:
+        elif on_tape:
             y = AllGatherGemm.apply(rows.contiguous(), weight.t(), *self._plain_ops())
         else:
             y = plain.ag_gemm(rows.contiguous(), weight.t(), self.group)
@@ -149,11 +140,11 @@ class RowParallelLinear(_TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in/tp] -> [M/tp, out] ([M, out] without sequence parallelism)."""
         rows, weight = self._rows(x), self.weight
-        tracked = _tracked(rows, weight)
+        on_tape = tracked(rows, weight)
         if not self.sequence_parallel:
             if self.comm is not None:
                 y = self.comm.gemm_ar(rows.contiguous(), weight.t())
-            elif tracked:
+            elif on_tape:
                 y = GemmAllReduce.apply(rows.contiguous(), weight.t(), partial(plain.gemm_ar, group=self.group))
             else:
                 y = plain.gemm_ar(rows.contiguous(), weight.t(), self.group)
@@ -161,7 +152,7 @@ class RowParallelLinear(_TPLinear):
         _split(rows.shape[0], self.world, "rows")
         if self.comm is not None:
             y = self.comm.gemm_rs(rows.contiguous(), weight.t())
-        elif tracked:
+        elif on_tape:
             ag, rs = self._plain_ops()
             y = GemmReduceScatter.apply(rows.contiguous(), weight.t(), rs, ag)
         else:

@@ -85,7 +85,7 @@ from ..kernels.matmul import DEFAULT_VARIANT, fused_tile_config
 from ..kernels.status import TAGS, TP_STATUS_WORDS
 from ..simulated import simulated_ranks
 from . import plain
-from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter
+from .autograd import AllGatherGemm, GemmAllReduce, GemmReduceScatter, tracked
 from .autotune import Autotuner
 from .config import TPBuffers, TPConfig, tp_buffers
 from .copy_engine import CopyEngine
@@ -221,20 +221,22 @@ class AsyncTP(runtime.CommObject):
         verdict from ``_passed``, in half the host time of the checks; what an earlier call left is raised all
         the same. Here and in the ops, what runs in every call reads config's fields, not the properties that
         read them (0.03 us each)."""
-        try:
-            kind = op, a.shape, w.shape, a.dtype, w.dtype, a.device, w.device, a.is_contiguous(), w.stride()
-            sizes = self._passed.get(kind)
-        except (AttributeError, TypeError):         # a or w is not a tensor: the checks say so
-            kind = sizes = None
-        if sizes is not None:
-            self._raise_if_failed()
+        if self.config.backend == "reference":          # every call's verdict agreed on by every rank
+            sizes = self._check_call(op, self._check_operands, op, a, w, agreed=True)
         else:
-            agreed = self.config.backend == "reference"
-            sizes = self._check_call(op, self._check_operands, op, a, w, agreed=agreed)
-            if kind is not None and not agreed:     # every call of the reference backend is agreed on
-                if len(self._passed) == PASSED_KINDS:
-                    self._passed.clear()
-                self._passed[kind] = sizes
+            try:
+                kind = op, a.shape, w.shape, a.dtype, w.dtype, a.device, w.device, a.is_contiguous(), w.stride()
+                sizes = self._passed.get(kind)
+            except (AttributeError, TypeError):     # a or w is not a tensor: the checks say so
+                kind = sizes = None
+            if sizes is not None:
+                self._raise_if_failed()
+            else:
+                sizes = self._check_call(op, self._check_operands, op, a, w, agreed=False)
+                if kind is not None:
+                    if len(self._passed) == PASSED_KINDS:
+                        self._passed.clear()
+                    self._passed[kind] = sizes
         self._made[op] += 1
         return sizes
 
@@ -283,7 +285,7 @@ class AsyncTP(runtime.CommObject):
         """a_shard [M/W, K] (this rank's rows), w [K, N] -> out [M, N] (and the gathered A [M, K] if asked).
 
         Differentiable (``AllGatherGemm``): the gradient of a_shard is a GEMM reduce-scatter."""
-        if torch.is_grad_enabled() and (a_shard.requires_grad or w.requires_grad):
+        if tracked(a_shard, w):
             return AllGatherGemm.apply(a_shard, w, self._ag_gemm, self._gemm_rs, return_gathered)
         return self._ag_gemm(a_shard, w, return_gathered)
 
@@ -314,7 +316,7 @@ class AsyncTP(runtime.CommObject):
         fp32; "never" reduces them in the dtype, as NCCL does (the same result for two ranks).
 
         Differentiable (``GemmReduceScatter``): the gradient of a is an all-gather GEMM."""
-        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        if tracked(a, w):
             return GemmReduceScatter.apply(a, w, self._gemm_rs, self._ag_gemm)
         return self._gemm_rs(a, w)
 
@@ -349,7 +351,7 @@ class AsyncTP(runtime.CommObject):
         which sums in the dtype (the same result for two ranks).
 
         Differentiable (``GemmAllReduce``): the output is replicated, so the input gradient is local."""
-        if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        if tracked(a, w):
             return GemmAllReduce.apply(a, w, self._gemm_ar)
         return self._gemm_ar(a, w)
 
