@@ -49,6 +49,15 @@ there every call takes the two kernels. Both phases keep the split kernels' coun
 ``finished``) and stamps, rows 2i and 2i + 1, so calls of either kind can follow each other on
 the same slots.
 
+Each item's ids one item ahead. Where few programs run (``EPAllToAll(num_sms=...)`` below the GPU's
+SMs: one or two programs an SM), an op's time is each program's chain of round trips per work item,
+and the receives' items began with a load of the token's expert ids, which every later load of the
+item waits for. Each receive program loads the next item's ids during the item before it (a
+loop-carried load, waited for only where the next item uses it), so an item's chain starts at its
+rows. Combine's send keeps loading its items' hits in the item: held from one item to the next, the
+hits' [HITS] rows took the one-launch combine from 90 to 110-143 registers a thread at 2 ranks (ptxas,
+sm_90), a fifth to a third of the programs an SM.
+
 The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
 n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
 still being read. Counters only grow: each side of an op (send, receive) keeps its uses of each
@@ -662,6 +671,16 @@ def _combine_item(item, chunks, max_tokens, rank, world):
 
 
 @triton.jit
+def _staged_ids(ids_ptr, item, end, stage, chunks, longest, max_tokens, topk, K_PAD: tl.constexpr):
+    """The staged expert ids [K_PAD] of work item `item`'s row (``_source_row``) in row blocks `stage` on,
+    where item < end; else -1s."""
+    _, _, src_row = _source_row(item, chunks, tl.maximum(longest, 1), max_tokens)
+    kk = tl.arange(0, K_PAD)
+    return tl.load(ids_ptr + (stage * max_tokens + src_row) * topk + kk, mask=kk < tl.where(item < end, topk, 0),
+                   other=-1)
+
+
+@triton.jit
 def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_ptr, count_ptr, tokens_ptr,
                          recv_x_ptr, recv_scale_ptr, recv_src_ptr, kept_w_ptr, kept_row_ptr, item0,
                          items_step, stage, rank, world, max_tokens, hidden, topk, experts_per_rank,
@@ -677,12 +696,15 @@ def _dispatch_recv_items(data_ptr, scale_ptr, ids_ptr, w_ptr, pos_ptr, offset_pt
     chunks = tl.cdiv(hidden, BLOCK_GROUPS * GROUP)
     width = hidden // ELEMENT_PACK                       # payload items a row
     longest = _longest(tokens_ptr + stage, reached, world, WORLD_PAD)
-    for item in range(item0, world * longest * chunks, items_step):
+    end = world * longest * chunks
+    following = _staged_ids(ids_ptr, item0, end, stage, chunks, longest, max_tokens, topk, K_PAD)
+    for item in range(item0, end, items_step):
         src, t, src_row = _source_row(item, chunks, longest, max_tokens)
         chunk = item % chunks
+        ids = following                                   # loaded during the item before (ids one ahead)
+        following = _staged_ids(ids_ptr, item + items_step, end, stage, chunks, longest, max_tokens, topk, K_PAD)
         if (t < tl.load(tokens_ptr + stage + src)) & _bit(reached, src):
             meta = (stage * max_tokens + src_row) * topk + kk
-            ids = tl.load(ids_ptr + meta, mask=kk < topk, other=-1)
             local = (kk < topk) & (ids >= 0) & (ids // experts_per_rank == rank)
             expert = tl.where(local, ids - rank * experts_per_rank, 0)
             any_local = tl.max(local.to(tl.int32), 0) > 0
@@ -807,14 +829,20 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step,
                         WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr):
     """Work items item0, item0 + items_step, ... of (token, column chunk): the ranks' rows added in rank
     order, in fp32, for the ranks the token was routed to that are in `reached` (bits). With ELASTIC the
-    first chunk also writes lost [T, K] (int8): 1 where the token's expert k is on a rank not reached."""
+    first chunk also writes lost [T, K] (int8): 1 where the token's expert k is on a rank not reached.
+
+    Each item's ids are loaded during the item before (the module's docstring: ids one item ahead)."""
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
-    for item in range(item0, num_tokens * chunks, items_step):
+    items = num_tokens * chunks
+    following = tl.load(ids_ptr + item0 // chunks * topk + kk, mask=kk < tl.where(item0 < items, topk, 0), other=-1)
+    for item in range(item0, items, items_step):
         t = item // chunks
         cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < hidden
-        ids = tl.load(ids_ptr + t * topk + kk, mask=kk < topk, other=-1).to(tl.int32)
+        ids = following.to(tl.int32)
+        after = item + items_step
+        following = tl.load(ids_ptr + after // chunks * topk + kk, mask=kk < tl.where(after < items, topk, 0), other=-1)
         dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
         if ELASTIC:                                     # experts on ranks not reached count as dropped
             lost = (dest >= 0) & ~_bit(reached, tl.maximum(dest, 0))
