@@ -54,9 +54,11 @@ SMs: one or two programs an SM), an op's time is each program's chain of round t
 and the receives' items began with a load of the token's expert ids, which every later load of the
 item waits for. Each receive program loads the next item's ids during the item before it (a
 loop-carried load, waited for only where the next item uses it), so an item's chain starts at its
-rows. Combine's send keeps loading its items' hits in the item: held from one item to the next, the
-hits' [HITS] rows took the one-launch combine from 90 to 110-143 registers a thread at 2 ranks (ptxas,
-sm_90), a fifth to a third of the programs an SM.
+rows. On 2 x H200 at 4096 tokens on 24 SMs' worth, dispatch's receive phase went from about 203 to 178
+us and combine's stayed at 220 (benchmarks/NOTES.md: its items were not waiting on their ids).
+Combine's send keeps loading its items' hits in the item: held from one item to the next, the hits'
+[HITS] rows took the one-launch combine from 90 to 110-143 registers a thread at 2 ranks (ptxas, sm_90),
+a fifth to a third of the programs an SM.
 
 The protocol. Every buffer a peer writes exists in ``NUM_SLOTS`` copies: call n uses slot
 n % NUM_SLOTS, so a rank can start the next call's sends while the previous call's outputs are
