@@ -18,12 +18,14 @@ state) and whatever a call leaves for the next fall on all alike:
               = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:
               the same with the tile loop on tensor descriptors (AsyncTP's tile_loop="tma"); every
               variant on one GPU: benchmarks/bench_gemm.py
-  plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce): the baseline
+  plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce), through
+              torch.distributed's calls, as a model would make them: the baseline
+  never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its
+              per-call checks; the collectives as moe_ep.collectives makes them, the group's own methods),
+              what `auto` keeps at small shapes: `never_speedup` under 1 is that method's cost
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs); fused_tma: with tile_loop="tma"
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
-  never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its
-              per-call checks), what `auto` keeps at small shapes: `never_speedup` under 1 is that method's cost
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice for eager
               calls, which its first call makes by timing the candidate paths, and `auto_graph_path` its
               choice for calls captured into a CUDA graph, made by the same call from replays of graphs of
@@ -50,7 +52,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moe_ep import AsyncTP, reference
+from moe_ep import AsyncTP
 from moe_ep.kernels.matmul import fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
@@ -106,7 +108,11 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
         gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
         comm = lambda: dist.all_gather_into_tensor(gathered, a)          # noqa: E731
         gemm = lambda: gathered @ w                                        # noqa: E731
-        plain = lambda: reference.ag_gemm(a, w)                            # noqa: E731
+
+        def plain():
+            gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(gathered, a)
+            return gathered @ w
     elif op == "gemm_ar":
         a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
         w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()

@@ -3,6 +3,8 @@
 NCCL cannot run with several ranks on one GPU, so such a job's group is gloo, and GPU tensors cross it as
 host copies; CPU tensors (a model not yet moved to its GPU) cross an NCCL group as copies on this process's
 GPU. What they ask of a group (its backend, and its size: ``world_size``) is asked once per group object.
+A blocking call on plain tensors goes to the group's own method (``_direct``), not through torch.distributed's
+wrapper of it: the wrapper's checks took 1.4-2.2 us a call on the development CPU, as long as the call.
 Production code (the plain ops of ``moe_ep.tp.plain``, the cost model and autograd functions of
 ``moe_ep.tp``, the checks of ``moe_ep.integrations``) and the oracle (``moe_ep.reference``) both call these.
 """
@@ -25,11 +27,19 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # named here (a "cpu:gloo,cuda:nccl" pair) serves both.
 _SERVED = {"gloo": (attrgetter("is_cpu"), "cpu"), "nccl": (attrgetter("is_cuda"), "cuda")}
 
+# The process groups' own methods, which torch.distributed's collectives call after their checks: an
+# all-reduce, an all-gather and a reduce-scatter into one tensor, under each name a torch version gives them.
+_METHODS = (("allreduce",), ("all_gather_single", "_allgather_base"),
+            ("reduce_scatter_single", "_reduce_scatter_base"))
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = range(3)
+_c10d = dist.distributed_c10d
+_c10d_world = getattr(_c10d, "_world", None)     # where torch.distributed keeps the calls of a coalescing context
+
 # What every call asks of its group, remembered per group object: dist.get_backend and dist.get_world_size take
 # 0.3 to 0.5 us a call, in calls whose own host time is a few us. The keys are the groups' ids, each entry removed
 # when its group goes (weakref.finalize), so that none keeps a destroyed group (and its gloo threads) alive or
 # answers for a later object at its address; a lookup takes half a WeakKeyDictionary's time.
-_served_by: dict[int, tuple | None] = {}    # id(group) -> _SERVED's entry, or None
+_about: dict[int, tuple] = {}               # id(group) -> ``_ask_about(group)``
 _size_of: dict[int, int] = {}               # id(group) -> dist.get_world_size(group)
 
 
@@ -59,48 +69,94 @@ def world_size(group=None) -> int:
     return _per_group(_size_of, dist.get_world_size, group)
 
 
-def _serves(group) -> tuple | None:
-    """_SERVED's entry for `group`'s backend (None: it serves every device)."""
-    return _SERVED.get(dist.get_backend(group))
+def _ask_about(group) -> tuple:
+    """What a call on `group` needs of it: (on, stage), its backend's _SERVED entry ((None, None): it serves
+    every device), and the unbound _METHODS of its class where calls may go to them (a process group this
+    rank is in, on a torch whose coalescing contexts this module can see), else None. Unbound methods, so
+    that remembering them keeps no group alive."""
+    on, stage = _SERVED.get(dist.get_backend(group), (None, None))
+    methods = None
+    if (hasattr(_c10d_world, "pg_coalesce_state") and isinstance(group, dist.ProcessGroup)
+            and dist.get_world_size(group) > 0):
+        found = tuple(next((getattr(type(group), name) for name in names if hasattr(type(group), name)), None)
+                      for names in _METHODS)
+        methods = None if None in found else found
+    return on, stage, methods
 
 
-def _collective(collective, output: torch.Tensor, input: torch.Tensor | None, group, timeout_s=None,
+def _options(make, reduce_op=None):
+    """Options of a blocking call (asyncOp False where this torch has the field, as torch.distributed's
+    blocking calls set it), made once: a group reads them during the call and keeps nothing of them."""
+    options = make()
+    if reduce_op is not None:
+        options.reduceOp = reduce_op
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
+
+
+_OPTIONS = (_options(_c10d.AllreduceOptions, dist.ReduceOp.SUM), _options(_c10d.AllgatherOptions),
+            _options(_c10d.ReduceScatterOptions, dist.ReduceOp.SUM))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and not t.dtype.is_complex
+
+
+def _direct(method, which: int, tensors: tuple, group) -> bool:
+    """Collective `which` (ALL_REDUCE: tensors (t,); the others (output, input)) run as its group's own
+    `method`, blocking as torch.distributed's call does, and True; or False, having run nothing, where
+    torch.distributed must take the call: a tensor subclass or complex tensors (which it takes apart), code
+    being compiled (which it maps to functional collectives), a coalescing context open on the group."""
+    if not (_plain(tensors[0]) and (len(tensors) == 1 or _plain(tensors[1]))):
+        return False
+    if torch.compiler.is_compiling() or group in _c10d_world.pg_coalesce_state:
+        return False
+    arguments = ([tensors[0]],) if which == ALL_REDUCE else tensors     # allreduce takes a list of tensors
+    work = method(group, *arguments, _OPTIONS[which])
+    if work is not None:
+        work.wait()
+    return True
+
+
+def _collective(collective, which, output: torch.Tensor, input: torch.Tensor | None, group, timeout_s=None,
                 **options) -> None:
-    """collective(output, input, group=group, **options) (without `input` where it is None); tensors on a
-    device the group's backend does not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies
-    on one it does, and the result is copied back into `output`. With `timeout_s`, RuntimeError if the
-    collective has not completed within that many seconds (every rank must have entered it): the group then
-    still holds it, and completes it if the missing ranks enter later."""
+    """collective(output, input, group=group, **options) (without `input` where it is None), or its group's own
+    method for it where `which` names one (ALL_REDUCE, ...; ``_direct``); tensors on a device the group's
+    backend does not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and
+    the result is copied back into `output`. With `timeout_s`, RuntimeError if the collective has not completed
+    within that many seconds (every rank must have entered it): the group then still holds it, and completes
+    it if the missing ranks enter later."""
+    if group is None:
+        group = dist.group.WORLD
+    on, stage, methods = _per_group(_about, _ask_about, group)
     tensors = (output,) if input is None else (output, input)
-    served = _per_group(_served_by, _serves, group)
-    if served is not None:
-        on, stage = served
-        if not (on(output) and (input is None or on(input))):     # all(map(on, tensors)) at half its cost
-            tensors = tuple(t if on(t) else t.to(stage) for t in tensors)
-    if timeout_s is None:
-        collective(*tensors, group=group, **options)
-    else:
+    if on is not None and not (on(output) and (input is None or on(input))):   # all(map(on, tensors)) at half
+        tensors = tuple(t if on(t) else t.to(stage) for t in tensors)          # its cost
+    if timeout_s is not None:
         work = collective(*tensors, group=group, async_op=True, **options)
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    elif which is None or methods is None or not _direct(methods[which], which, tensors, group):
+        collective(*tensors, group=group, **options)
     if tensors[0] is not output:
         output.copy_(tensors[0])
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
                       group=None) -> None:
-    _collective(dist.all_to_all_single, output, input, group, output_split_sizes=output_split_sizes,
+    _collective(dist.all_to_all_single, None, output, input, group, output_split_sizes=output_split_sizes,
                 input_split_sizes=input_split_sizes)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, timeout_s=None) -> None:
     """output [W * n, ...] = every rank's input [n, ...], in rank order (within `timeout_s`, if given)."""
-    _collective(_all_gather, output, input, group, timeout_s)
+    _collective(_all_gather, ALL_GATHER, output, input, group, timeout_s)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """output [n, ...] = rows [rank * n, (rank + 1) * n) of the sum over ranks of input [W * n, ...]."""
-    _collective(_reduce_scatter, output, input, group)
+    _collective(_reduce_scatter, REDUCE_SCATTER, output, input, group)
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-    _collective(dist.all_reduce, tensor, None, group, op=op)
+    _collective(dist.all_reduce, ALL_REDUCE if op == dist.ReduceOp.SUM else None, tensor, None, group, op=op)

@@ -53,7 +53,7 @@ def _unserved_tensors_cross_as_copies(rank, world):
     """With gloo taken as serving float64 tensors only (a dtype standing for a device), the float32 tensors of
     each collective cross as float64 copies, and the result lands in the caller's output; tensors it serves
     are handed over as they are."""
-    collectives._served_by.clear()                     # forget the real gloo's entry, if asked before
+    collectives._about.clear()                         # forget the real gloo's entry, if asked before
     collectives._SERVED["gloo"] = (lambda t: t.dtype == torch.float64, torch.float64)
     seen = []
 
@@ -62,11 +62,11 @@ def _unserved_tensors_cross_as_copies(rank, world):
         dist.all_reduce(tensors[0], group=group)
 
     served = torch.ones(3, dtype=torch.float64)
-    collectives._collective(recording, served, None, None)
+    collectives._collective(recording, None, served, None, None)
     assert seen[-1][0] is served and torch.equal(served, torch.full((3,), float(world), dtype=torch.float64))
 
     unserved = torch.ones(3)
-    collectives._collective(recording, unserved, None, None)
+    collectives._collective(recording, None, unserved, None, None)
     assert seen[-1][0].dtype == torch.float64 and unserved.dtype == torch.float32
     assert torch.equal(unserved, torch.full((3,), float(world)))
 
@@ -82,3 +82,79 @@ def _unserved_tensors_cross_as_copies(rank, world):
 
 def test_tensors_a_group_does_not_serve_cross_it_as_copies():
     run(_unserved_tensors_cross_as_copies, 2)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass: torch.distributed's wrappers hand it to its torch-function handling."""
+
+
+def _direct_calls_and_what_torch_distributed_keeps(rank, world):
+    """Blocking sums and gathers of plain tensors go to the group's own methods, torch.distributed's wrappers
+    untouched; everything the wrappers handle themselves goes through them: another reduce op, a timeout
+    (an async call), complex tensors, a tensor subclass, code being compiled, a coalescing context open on the
+    group. The results are the collectives' either way."""
+    wrapped = []
+    originals = {"all_reduce": dist.all_reduce, "_all_gather": collectives._all_gather,
+                 "_reduce_scatter": collectives._reduce_scatter}
+
+    def recording(name, original):
+        def call(*args, **kwargs):
+            wrapped.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    dist.all_reduce = recording("all_reduce", originals["all_reduce"])
+    collectives._all_gather = recording("all_gather", originals["_all_gather"])
+    collectives._reduce_scatter = recording("reduce_scatter", originals["_reduce_scatter"])
+    try:
+        def each_op():
+            summed = torch.full((3,), float(rank + 1))
+            collectives.all_reduce(summed)
+            assert torch.equal(summed, torch.full((3,), float(sum(range(1, world + 1)))))
+            gathered = torch.empty(2 * world)
+            collectives.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+            assert torch.equal(gathered, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
+            mine = torch.empty(2)
+            collectives.reduce_scatter_tensor(mine, torch.arange(2 * world, dtype=torch.float32))
+            assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * world)
+
+        each_op()
+        assert wrapped == [], wrapped                     # all three went to the group's methods
+
+        largest = torch.full((2,), float(rank))
+        collectives.all_reduce(largest, op=dist.ReduceOp.MAX)
+        assert torch.equal(largest, torch.full((2,), float(world - 1))) and wrapped.pop() == "all_reduce"
+        gathered = torch.empty(world)
+        collectives.all_gather_into_tensor(gathered, torch.full((1,), float(rank)), timeout_s=30)
+        assert torch.equal(gathered, torch.arange(world, dtype=torch.float32)) and wrapped.pop() == "all_gather"
+        pairs = torch.full((2,), complex(rank, 1))
+        collectives.all_reduce(pairs)
+        assert torch.equal(pairs, torch.full((2,), complex(sum(range(world)), world)))
+        assert wrapped.pop() == "all_reduce"
+        sub = torch.ones(2).as_subclass(_Sub)
+        collectives.all_reduce(sub)
+        assert torch.equal(sub.as_subclass(torch.Tensor), torch.full((2,), float(world)))
+        assert wrapped.pop() == "all_reduce"
+
+        compiling, torch.compiler.is_compiling = torch.compiler.is_compiling, lambda: True
+        try:
+            each_op()
+        finally:
+            torch.compiler.is_compiling = compiling
+        assert wrapped == ["all_reduce", "all_gather", "reduce_scatter"]
+        wrapped.clear()
+        coalescing = collectives._c10d_world.pg_coalesce_state
+        coalescing[dist.group.WORLD] = []                 # as an open coalescing context leaves it
+        try:
+            with pytest.raises(AssertionError):           # the wrapper queued the sum instead of running it
+                each_op()
+        finally:
+            del coalescing[dist.group.WORLD]
+        assert wrapped == ["all_reduce"]
+    finally:
+        dist.all_reduce = originals["all_reduce"]
+        collectives._all_gather, collectives._reduce_scatter = originals["_all_gather"], originals["_reduce_scatter"]
+
+
+def test_plain_tensors_go_to_the_group_s_methods():
+    run(_direct_calls_and_what_torch_distributed_keeps, 2)
