@@ -110,9 +110,9 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
         gemm = lambda: gathered @ w                                        # noqa: E731
 
         def plain():
-            gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-            dist.all_gather_into_tensor(gathered, a)
-            return gathered @ w
+            rows = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(rows, a)
+            return rows @ w
     elif op == "gemm_ar":
         a = torch.randn(m, k // world, device="cuda", generator=g, dtype=torch.bfloat16)
         w = (torch.randn(n, k // world, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5).t()

@@ -16,6 +16,7 @@ from operator import attrgetter
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function
 
 # Newer torch renames the single-tensor collectives and deprecates the old names (a FutureWarning on 2.13);
 # older torch has only the old names.
@@ -31,7 +32,7 @@ _SERVED = {"gloo": (attrgetter("is_cpu"), "cpu"), "nccl": (attrgetter("is_cuda")
 # all-reduce, an all-gather and a reduce-scatter into one tensor, under each name a torch version gives them.
 _METHODS = (("allreduce",), ("all_gather_single", "_allgather_base"),
             ("reduce_scatter_single", "_reduce_scatter_base"))
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = range(3)
+_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER = range(3)
 _c10d = dist.distributed_c10d
 _c10d_world = getattr(_c10d, "_world", None)     # where torch.distributed keeps the calls of a coalescing context
 
@@ -71,13 +72,12 @@ def world_size(group=None) -> int:
 
 def _ask_about(group) -> tuple:
     """What a call on `group` needs of it: (on, stage), its backend's _SERVED entry ((None, None): it serves
-    every device), and the unbound _METHODS of its class where calls may go to them (a process group this
-    rank is in, on a torch whose coalescing contexts this module can see), else None. Unbound methods, so
-    that remembering them keeps no group alive."""
+    every device), and the unbound _METHODS of its class where calls may go to them (on a torch whose
+    coalescing contexts this module can see), else None. dist.get_backend refuses what is not a group this
+    rank is in. Unbound methods, so that remembering them keeps no group alive."""
     on, stage = _SERVED.get(dist.get_backend(group), (None, None))
     methods = None
-    if (hasattr(_c10d_world, "pg_coalesce_state") and isinstance(group, dist.ProcessGroup)
-            and dist.get_world_size(group) > 0):
+    if hasattr(_c10d_world, "pg_coalesce_state"):
         found = tuple(next((getattr(type(group), name) for name in names if hasattr(type(group), name)), None)
                       for names in _METHODS)
         methods = None if None in found else found
@@ -86,7 +86,7 @@ def _ask_about(group) -> tuple:
 
 def _options(make, reduce_op=None):
     """Options of a blocking call (asyncOp False where this torch has the field, as torch.distributed's
-    blocking calls set it), made once: a group reads them during the call and keeps nothing of them."""
+    blocking calls set it), made once: torch's process groups copy what they need of them in the call."""
     options = make()
     if reduce_op is not None:
         options.reduceOp = reduce_op
@@ -99,20 +99,17 @@ _OPTIONS = (_options(_c10d.AllreduceOptions, dist.ReduceOp.SUM), _options(_c10d.
             _options(_c10d.ReduceScatterOptions, dist.ReduceOp.SUM))
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and not t.dtype.is_complex
-
-
 def _direct(method, which: int, tensors: tuple, group) -> bool:
-    """Collective `which` (ALL_REDUCE: tensors (t,); the others (output, input)) run as its group's own
+    """Collective `which` (_ALL_REDUCE: tensors (t,); the others (output, input)) run as its group's own
     `method`, blocking as torch.distributed's call does, and True; or False, having run nothing, where
-    torch.distributed must take the call: a tensor subclass or complex tensors (which it takes apart), code
-    being compiled (which it maps to functional collectives), a coalescing context open on the group."""
-    if not (_plain(tensors[0]) and (len(tensors) == 1 or _plain(tensors[1]))):
+    torch.distributed must take the call: tensors with torch-function handling (subclasses, or any tensor
+    under a TorchFunctionMode: the wrapper's own test), complex tensors (which it takes apart), code being
+    compiled (which it maps to functional collectives), a coalescing context open on the group."""
+    if has_torch_function(tensors) or tensors[0].dtype.is_complex or tensors[-1].dtype.is_complex:
         return False
     if torch.compiler.is_compiling() or group in _c10d_world.pg_coalesce_state:
         return False
-    arguments = ([tensors[0]],) if which == ALL_REDUCE else tensors     # allreduce takes a list of tensors
+    arguments = ([tensors[0]],) if which == _ALL_REDUCE else tensors     # allreduce takes a list of tensors
     work = method(group, *arguments, _OPTIONS[which])
     if work is not None:
         work.wait()
@@ -122,7 +119,7 @@ def _direct(method, which: int, tensors: tuple, group) -> bool:
 def _collective(collective, which, output: torch.Tensor, input: torch.Tensor | None, group, timeout_s=None,
                 **options) -> None:
     """collective(output, input, group=group, **options) (without `input` where it is None), or its group's own
-    method for it where `which` names one (ALL_REDUCE, ...; ``_direct``); tensors on a device the group's
+    method for it where `which` names one (_ALL_REDUCE, ...; ``_direct``); tensors on a device the group's
     backend does not serve (GPU tensors on gloo, CPU tensors on NCCL) take part as copies on one it does, and
     the result is copied back into `output`. With `timeout_s`, RuntimeError if the collective has not completed
     within that many seconds (every rank must have entered it): the group then still holds it, and completes
@@ -150,13 +147,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, timeout_s=None) -> None:
     """output [W * n, ...] = every rank's input [n, ...], in rank order (within `timeout_s`, if given)."""
-    _collective(_all_gather, ALL_GATHER, output, input, group, timeout_s)
+    _collective(_all_gather, _ALL_GATHER, output, input, group, timeout_s)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """output [n, ...] = rows [rank * n, (rank + 1) * n) of the sum over ranks of input [W * n, ...]."""
-    _collective(_reduce_scatter, REDUCE_SCATTER, output, input, group)
+    _collective(_reduce_scatter, _REDUCE_SCATTER, output, input, group)
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-    _collective(dist.all_reduce, ALL_REDUCE if op == dist.ReduceOp.SUM else None, tensor, None, group, op=op)
+    _collective(dist.all_reduce, _ALL_REDUCE if op == dist.ReduceOp.SUM else None, tensor, None, group, op=op)

@@ -88,11 +88,24 @@ class _Sub(torch.Tensor):
     """A tensor subclass: torch.distributed's wrappers hand it to its torch-function handling."""
 
 
+class _Watching(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that records the torch.distributed calls it is shown."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", "").startswith("torch.distributed"):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def _direct_calls_and_what_torch_distributed_keeps(rank, world):
     """Blocking sums and gathers of plain tensors go to the group's own methods, torch.distributed's wrappers
-    untouched; everything the wrappers handle themselves goes through them: another reduce op, a timeout
-    (an async call), complex tensors, a tensor subclass, code being compiled, a coalescing context open on the
-    group. The results are the collectives' either way."""
+    untouched; everything the wrappers handle themselves goes through them, for each op: a tensor subclass on
+    either side, complex tensors, a torch-function mode, code being compiled, a coalescing context open on the
+    group; and another reduce op, a timeout (an async call). The results are the collectives' either way."""
     wrapped = []
     originals = {"all_reduce": dist.all_reduce, "_all_gather": collectives._all_gather,
                  "_reduce_scatter": collectives._reduce_scatter}
@@ -103,23 +116,56 @@ def _direct_calls_and_what_torch_distributed_keeps(rank, world):
             return original(*args, **kwargs)
         return call
 
+    def ops(kind=lambda t: t, dtype=torch.float32):
+        """Each collective once on tensors made by kind(plain tensor), checked; where it takes the input
+        and output apart, `kind` marks the input only."""
+        one = torch.ones((), dtype=dtype)
+        summed = kind(torch.full((3,), float(rank + 1), dtype=dtype))
+        collectives.all_reduce(summed)
+        assert torch.equal(summed.as_subclass(torch.Tensor), (world * (world + 1) // 2) * one.expand(3))
+        gathered = torch.empty(2 * world, dtype=dtype)
+        collectives.all_gather_into_tensor(gathered, kind(torch.full((2,), float(rank), dtype=dtype)))
+        assert torch.equal(gathered, torch.arange(world).repeat_interleave(2) * one)
+        mine = torch.empty(2, dtype=dtype)
+        collectives.reduce_scatter_tensor(mine, kind(torch.arange(2 * world).to(dtype)))
+        assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2) * world * one)
+
     dist.all_reduce = recording("all_reduce", originals["all_reduce"])
     collectives._all_gather = recording("all_gather", originals["_all_gather"])
     collectives._reduce_scatter = recording("reduce_scatter", originals["_reduce_scatter"])
+    each = ["all_reduce", "all_gather", "reduce_scatter"]
     try:
-        def each_op():
-            summed = torch.full((3,), float(rank + 1))
-            collectives.all_reduce(summed)
-            assert torch.equal(summed, torch.full((3,), float(sum(range(1, world + 1)))))
-            gathered = torch.empty(2 * world)
-            collectives.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
-            assert torch.equal(gathered, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
-            mine = torch.empty(2)
-            collectives.reduce_scatter_tensor(mine, torch.arange(2 * world, dtype=torch.float32))
-            assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * world)
-
-        each_op()
+        ops()
         assert wrapped == [], wrapped                     # all three went to the group's methods
+
+        for kind, dtype in ((lambda t: t.as_subclass(_Sub), torch.float32), (lambda t: t, torch.complex64)):
+            ops(kind, dtype)
+            assert wrapped == each, wrapped
+            wrapped.clear()
+        with _Watching() as mode:
+            ops()
+        assert wrapped == each and mode.seen == [f.__name__ for f in originals.values()], (wrapped, mode.seen)
+        wrapped.clear()
+        compiling, torch.compiler.is_compiling = torch.compiler.is_compiling, lambda: True
+        try:
+            ops()
+        finally:
+            torch.compiler.is_compiling = compiling
+        assert wrapped == each, wrapped
+        wrapped.clear()
+
+        coalescing = collectives._c10d_world.pg_coalesce_state
+        coalescing[dist.group.WORLD] = []                 # as an open coalescing context leaves it
+        try:
+            for op in (lambda: collectives.all_reduce(torch.ones(1)),
+                       lambda: collectives.all_gather_into_tensor(torch.empty(world), torch.ones(1)),
+                       lambda: collectives.reduce_scatter_tensor(torch.empty(1), torch.ones(world))):
+                op()                                      # queued by the wrapper, not run
+            assert len(coalescing[dist.group.WORLD]) == 3
+        finally:
+            del coalescing[dist.group.WORLD]
+        assert wrapped == each, wrapped
+        wrapped.clear()
 
         largest = torch.full((2,), float(rank))
         collectives.all_reduce(largest, op=dist.ReduceOp.MAX)
@@ -127,30 +173,6 @@ def _direct_calls_and_what_torch_distributed_keeps(rank, world):
         gathered = torch.empty(world)
         collectives.all_gather_into_tensor(gathered, torch.full((1,), float(rank)), timeout_s=30)
         assert torch.equal(gathered, torch.arange(world, dtype=torch.float32)) and wrapped.pop() == "all_gather"
-        pairs = torch.full((2,), complex(rank, 1))
-        collectives.all_reduce(pairs)
-        assert torch.equal(pairs, torch.full((2,), complex(sum(range(world)), world)))
-        assert wrapped.pop() == "all_reduce"
-        sub = torch.ones(2).as_subclass(_Sub)
-        collectives.all_reduce(sub)
-        assert torch.equal(sub.as_subclass(torch.Tensor), torch.full((2,), float(world)))
-        assert wrapped.pop() == "all_reduce"
-
-        compiling, torch.compiler.is_compiling = torch.compiler.is_compiling, lambda: True
-        try:
-            each_op()
-        finally:
-            torch.compiler.is_compiling = compiling
-        assert wrapped == ["all_reduce", "all_gather", "reduce_scatter"]
-        wrapped.clear()
-        coalescing = collectives._c10d_world.pg_coalesce_state
-        coalescing[dist.group.WORLD] = []                 # as an open coalescing context leaves it
-        try:
-            with pytest.raises(AssertionError):           # the wrapper queued the sum instead of running it
-                each_op()
-        finally:
-            del coalescing[dist.group.WORLD]
-        assert wrapped == ["all_reduce"]
     finally:
         dist.all_reduce = originals["all_reduce"]
         collectives._all_gather, collectives._reduce_scatter = originals["_all_gather"], originals["_reduce_scatter"]
