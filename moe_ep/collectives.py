@@ -78,7 +78,7 @@ def _ask_about(group) -> tuple:
     on, stage = _SERVED.get(dist.get_backend(group), (None, None))
     methods = None
     if hasattr(_c10d_world, "pg_coalesce_state"):
-        found = tuple(next((getattr(type(group), name) for name in names if hasattr(type(group), name)), None)
+        found = tuple(next(filter(None, (getattr(type(group), name, None) for name in names)), None)
                       for names in _METHODS)
         methods = None if None in found else found
     return on, stage, methods

@@ -117,12 +117,11 @@ class ColumnParallelLinear(_TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M/tp rows, in] (leading dims flattened; all M rows without sequence parallelism) -> [M, out/tp]."""
         rows, weight = self._rows(x), self.weight
-        on_tape = tracked(rows, weight)
         if not self.sequence_parallel:
-            y = (AllReduceGrad.apply(rows, self.group) if on_tape else rows) @ weight.t()
+            y = (AllReduceGrad.apply(rows, self.group) if tracked(rows, weight) else rows) @ weight.t()
         elif self.comm is not None:
             y = self.comm.ag_gemm(rows.contiguous(), weight.t())
-        elif on_tape:
+        elif tracked(rows, weight):
             y = AllGatherGemm.apply(rows.contiguous(), weight.t(), *self._plain_ops())
         else:
             y = plain.ag_gemm(rows.contiguous(), weight.t(), self.group)
@@ -139,24 +138,18 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in/tp] -> [M/tp, out] ([M, out] without sequence parallelism)."""
-        rows, weight = self._rows(x), self.weight
-        on_tape = tracked(rows, weight)
-        if not self.sequence_parallel:
-            if self.comm is not None:
-                y = self.comm.gemm_ar(rows.contiguous(), weight.t())
-            elif on_tape:
-                y = GemmAllReduce.apply(rows.contiguous(), weight.t(), partial(plain.gemm_ar, group=self.group))
-            else:
-                y = plain.gemm_ar(rows.contiguous(), weight.t(), self.group)
-            return y if self.bias is None else y + self.bias
-        _split(rows.shape[0], self.world, "rows")
+        a, w = self._rows(x).contiguous(), self.weight.t()
+        if self.sequence_parallel:
+            _split(a.shape[0], self.world, "rows")
         if self.comm is not None:
-            y = self.comm.gemm_rs(rows.contiguous(), weight.t())
-        elif on_tape:
+            y = self.comm.gemm_rs(a, w) if self.sequence_parallel else self.comm.gemm_ar(a, w)
+        elif not tracked(a, w):
+            y = plain.gemm_rs(a, w, self.group) if self.sequence_parallel else plain.gemm_ar(a, w, self.group)
+        elif self.sequence_parallel:
             ag, rs = self._plain_ops()
-            y = GemmReduceScatter.apply(rows.contiguous(), weight.t(), rs, ag)
+            y = GemmReduceScatter.apply(a, w, rs, ag)
         else:
-            y = plain.gemm_rs(rows.contiguous(), weight.t(), self.group)
+            y = GemmAllReduce.apply(a, w, partial(plain.gemm_ar, group=self.group))
         return y if self.bias is None else y + self.bias
 
 
