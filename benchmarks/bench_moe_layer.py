@@ -7,10 +7,10 @@ warm compile cache (--tokens 128: 29 s warm, 42 s cold; each with the launch); -
 grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's).
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
-split into dispatch / experts (launched) / combine; the forward eager (its experts replayed from their
-CUDA graph, EPMoE's graph_experts; forward_launched_us: launched at every forward; the two interleaved; at
+split into dispatch / experts (launched) / combine; the forward eager (replayed from the layer's own CUDA
+graph of the forward, EPMoE's replay; forward_launched_us: launched at every forward; the two interleaved; at
 the default max_tokens the experts' buffers pass graphs.MAX_BYTES and both launch) and the whole forward
-replayed from a CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
+replayed from the caller's CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
 once, and the flops of the rows this rank received, each at the datasheet peak, timing.floor_us): the
 NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is
 not used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
@@ -96,15 +96,15 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
             for _ in range(4):                   # each of the all-to-all's two slots: a launch, then a capture
                 layer(x, ids, weights)
 
-            def forward(replay: bool):           # eager, the experts replayed or launched (graph_experts)
-                layer.graph_experts = replay
+            def forward(replay: bool):           # eager, the forward replayed or launched (EPMoE's replay)
+                layer.replay = replay
                 return layer(x, ids, weights)
             try:
                 times["forward_us"], times["forward_launched_us"] = interleaved_median_us(
                     [functools.partial(forward, True), functools.partial(forward, False)], iters, 1,
                     call_after_barrier_us)
             finally:
-                layer.graph_experts = True
+                layer.replay = True
             if backend == "nvshmem":
                 progress.step("CUDA graph")
                 graph = torch.cuda.CUDAGraph()

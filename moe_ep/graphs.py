@@ -1,9 +1,10 @@
 """Eager calls replayed as CUDA graphs: a fixed set of launches captured once, replayed in one host call.
 
 At decode sizes an eager MoE forward's time is its host time: on the GPU machines the Python around the
-experts' three launches takes two to five times their GPU time (benchmarks/NOTES.md). Launches whose
-operands stay where they are (a layer's weights, its all-to-all's receive buffers) and whose work follows
-what those operands hold (counts read on the GPU) can be captured once and replayed at every later call:
+experts' three launches takes two to five times their GPU time, and the all-to-all's around its two as much
+again (benchmarks/NOTES.md). Launches whose operands stay where they are (a layer's weights, its
+all-to-all's buffers, a forward's inputs copied into buffers of its own) and whose work follows what those
+operands hold (counts read on the GPU) can be captured once and replayed at every later call:
 
     replay = Replay(launch, [((P, 2 * I), torch.bfloat16), ((E, R, H), torch.bfloat16)], device, stream)
     gate_up, out = replay()          # launch(gate_up, out) as captured, on what its operands hold now

@@ -201,6 +201,23 @@ def test_the_fast_call_checks_pass_only_what_every_check_passes():
         assert fast is None and isinstance(error, CommTimeoutError) and "a wait timed out" in str(error)
 
 
+def test_replay_slots_are_the_next_calls_and_a_replay_counts_as_calls():
+    """A caller's CUDA graph of a dispatch and its combine replays on the slots the next calls would take, if
+    that dispatch passes its checks and a combine may start; replayed() counts both calls, rewind() undoes
+    what a failed capture counted."""
+    ep, _ = EPAllToAll.simulated(2, 8, 256, 8, 2)
+    x = torch.randn(4, 256).bfloat16()
+    ids, weights = random_topk(4, 8, 2)
+    assert ep.replay_slots(x, ids, weights) == (0, 0) and ep.calls == (0, 0)
+    ep.rewind((3, 2))
+    assert ep.replay_slots(x, ids, weights) == (1, 0)
+    ep.replayed()
+    assert ep.calls == (4, 3) and ep.replay_slots(x, ids, weights) == (0, 1)
+    assert ep.replay_slots(x.float(), ids, weights) is None            # a dispatch its checks refuse
+    ep._in_flight["combine"] = 2
+    assert ep.replay_slots(x, ids, weights) is None and ep.calls == (4, 3)
+
+
 def test_bad_configurations_raise():
     run(_config_errors, 2)
 

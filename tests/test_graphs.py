@@ -1,6 +1,6 @@
 """moe_ep.graphs: the scratch that replayed graphs write into (how it is carved and replaced), and when the MoE
-layer's plans launch, capture, replay or capture again (with CUDA's calls faked on CPU); the capture and replay
-themselves run on GPUs, in the MoE layer's eager forwards (tests/test_moe_layer.py)."""
+layer's plans and forwards launch, capture, replay or capture again (with CUDA's calls faked on CPU); the
+capture and replay themselves run on GPUs, in the MoE layer's eager forwards (tests/test_moe_layer.py)."""
 import gc
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ import torch
 
 from moe_ep import graphs
 from moe_ep.graphs import ALIGN, Scratch
-from moe_ep.layers.moe import _Planned
+from moe_ep.layers.moe import _Forward, _Planned
 
 MADE = [((3, 5), torch.bfloat16), ((7, 0), torch.float32), ((2, 3, 4), torch.float8_e4m3fn), ((9,), torch.float32)]
 
@@ -126,3 +126,58 @@ def test_buffers_past_the_cap_are_launched(fake_cuda, monkeypatch):
     monkeypatch.setattr(graphs, "MAX_BYTES", Scratch.size(FakeExperts().made) - 1)
     plan = _Planned(FakeExperts())
     assert [int(plan(True)[0]) for _ in range(3)] == [1, 2, 3] and fake_cuda["captures"] == 0
+
+
+class FakeEP:
+    """What _Forward uses of an EPAllToAll: a dispatch whose handle is the tokens, a combine writing tokens + the
+    experts' first row into `out`, its calls (the capture's own counting is CUDA's: faked, nothing counts),
+    replayed() and rewind()."""
+
+    def __init__(self):
+        self.calls, self.rewound = (4, 4), None
+
+    def dispatch(self, x, ids, weights):
+        return None, None, None, x
+
+    def combine(self, expert_out, handle, out):
+        return out.copy_(handle + expert_out[0])
+
+    def replayed(self):
+        self.calls = (self.calls[0] + 1, self.calls[1] + 1)
+
+    def rewind(self, calls):
+        self.calls = self.rewound = calls
+
+
+def forward_inputs(value: float) -> tuple:
+    """A forward's tokens [2, 3] (all `value`), ids and weights [2, 2]."""
+    return torch.full((2, 3), value), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)
+
+
+def test_a_forward_is_captured_then_replayed_on_copies_of_its_inputs(fake_cuda):
+    experts, ep = FakeExperts(), FakeEP()
+    forward = _Forward(_Planned(experts))
+    first = forward(ep, *forward_inputs(10))         # captured, then replayed on the inputs copied in
+    assert fake_cuda["captures"] == 1 and first.eq(11).all() and ep.calls == (4, 4)
+    scratch = graphs._SCRATCH[experts.device, fake_cuda["stream"]]
+    assert first.untyped_storage().data_ptr() != scratch.memory.untyped_storage().data_ptr()   # a tensor of its own
+    second = forward(ep, *forward_inputs(20))        # replayed: the all-to-all counts its calls
+    assert fake_cuda["captures"] == 1 and second.eq(22).all() and first.eq(11).all() and ep.calls == (5, 5)
+    Scratch.of(experts.device, fake_cuda["stream"], 1 << 20)    # a larger layer's graph replaced the scratch
+    assert forward(ep, *forward_inputs(30)).eq(33).all() and fake_cuda["captures"] == 2 and ep.calls == (5, 5)
+
+
+def test_a_forward_whose_capture_fails_rewinds_the_calls_and_launches(fake_cuda):
+    ep, forward = FakeEP(), _Forward(_Planned(FakeExperts()))
+    fake_cuda["fail"] = RuntimeError("operation not permitted when stream is capturing\nmore")
+    with pytest.warns(RuntimeWarning, match="forward of 2 tokens could not be captured .RuntimeError: operation not"):
+        assert forward(ep, *forward_inputs(1)) is None
+    assert ep.rewound == (4, 4) and forward.graph is False
+    fake_cuda["fail"] = None
+    assert forward(ep, *forward_inputs(1)) is None and fake_cuda["captures"] == 0
+
+
+def test_a_forward_past_the_cap_launches(fake_cuda, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_BYTES", Scratch.size(FakeExperts().made))   # the experts fit, its inputs not
+    forward = _Forward(_Planned(FakeExperts()))
+    assert forward(FakeEP(), *forward_inputs(1)) is None and forward.graph is False and fake_cuda["captures"] == 0

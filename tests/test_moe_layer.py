@@ -381,10 +381,12 @@ def test_swapped_model_on_gpus(kind, world):
 
 
 def _eager_replays(rank, world):
-    """Eager forwards replay the experts' CUDA graph (graph_experts) from the second forward on a slot of the
-    all-to-all's buffers: bit for bit what launching the kernels gives, on fresh tokens at every forward;
-    for two layers, FP8 and bf16 experts (the bf16 intermediate is the larger), whose replays share one
-    scratch (the bf16 layer's capture makes it larger and the FP8 layer's graph is captured again on it);
+    """Eager forwards replay CUDA graphs (EPMoE's replay): each token count on each slot of the all-to-all's
+    buffers launches at its first forward (the experts replayed from their own graph where their plan has
+    one), and from its second on replays its dispatch, experts and combine as one graph: bit for bit what
+    launching everything gives, on fresh tokens at every forward, with the all-to-all's calls counted as
+    made; for two layers, FP8 and bf16 experts (the bf16 intermediate is the larger), whose graphs share one
+    scratch (the bf16 layer's capture makes it larger and the FP8 layer's graphs are captured again on it);
     on a second stream, with a scratch of its own; and interleaved with the replays of a caller's CUDA graph of
     the layer's forward."""
     from moe_ep import graphs
@@ -392,7 +394,7 @@ def _eager_replays(rank, world):
     layers = [EPMoE(128, 128, 8, 2, max_tokens=16, fp8_experts=fp8, device="cuda") for fp8 in (True, False)]
     plain = [copy.deepcopy(layer) for layer in layers]
     for layer in plain:
-        layer.graph_experts = False
+        layer.replay = False
 
     def forwards(steps):
         for step in range(steps):
@@ -403,23 +405,32 @@ def _eager_replays(rank, world):
                 ids, weights = random_topk(tokens, 8, 2, "cuda", g)
                 assert torch.equal(layer(x, ids, weights), launched(x, ids, weights)), f"step {step}"
 
+    def replayed(layer, stream):
+        """The layer's forward graphs on `stream`, each captured and on that stream's scratch in use."""
+        found = [f.graph for key, f in layer._forwards.items() if key[2] == stream]
+        assert found and all(isinstance(g, graphs.Replay) and g.current for g in found), found
+        return found
+
     with torch.no_grad():
-        forwards(6)
+        forwards(18)             # 5 token counts a rank, each on one slot: launched, captured, then replayed
         stream = torch.cuda.current_stream().cuda_stream
         for layer in layers:
-            replays = [r for plan in layer._plans.values() for r in plan.replays.values() if r is not None]
-            assert len(replays) == 2 and all(r.current for r in replays), "a graph per slot, on the scratch in use"
-            assert {r.key for r in replays} == {(torch.device("cuda", torch.cuda.current_device()), stream)}
+            assert len(replayed(layer, stream)) == 5 and layer._ep().calls == (18, 18)
+            assert {r.key for r in replayed(layer, stream)} == {(torch.device("cuda", torch.cuda.current_device()),
+                                                                 stream)}
+        assert not any(layer._forwards for layer in plain)
         assert not any(plan.replays for layer in plain for plan in layer._plans.values())
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forwards(6)
+            forwards(12)
         torch.cuda.current_stream().wait_stream(side)
         assert len({key[1] for key in graphs._SCRATCH.keys()}) == 2
+        for layer in layers:
+            assert len(replayed(layer, side.cuda_stream)) == 5
         forwards(2)
-        # The caller's own CUDA graph of a forward, captured once the layer replays its experts (inside it they
-        # are launched): its replays and eager forwards interleaved, each what launching gives.
+        # The caller's own CUDA graph of a forward, captured once the layer replays its forwards (inside it
+        # everything is launched): its replays and eager forwards interleaved, each what launching gives.
         layer, launched = layers[0], plain[0]
         x = torch.randn(16, 128, generator=g).to("cuda", torch.bfloat16)
         ids, weights = random_topk(16, 8, 2, "cuda", g)
@@ -440,7 +451,7 @@ def _eager_replays(rank, world):
 
 @pytest.mark.gpu
 @gpu_worlds
-def test_eager_forwards_replay_the_experts(world):
+def test_eager_forwards_replay_cuda_graphs(world):
     run(_eager_replays, world, gpu=True, timeout=300)
 
 

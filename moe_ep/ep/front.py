@@ -453,6 +453,36 @@ class EPAllToAll(runtime.CommObject):
         self._in_flight["combine"] -= 1
         self.protocol.combine_recv(slot, handle.slot, y, handle.topk_ids, handle.num_tokens)
 
+    # ------------------------------------------------------------------------------------ replays
+
+    def replay_slots(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple | None:
+        """For a caller that replays a CUDA graph of a dispatch and its combine captured on this object (EPMoE's
+        eager forwards): the slots (dispatch's, combine's) a dispatch of x, topk_ids, topk_weights and its
+        combine would take now, if that dispatch passes its checks with nothing to raise (``_dispatch_passes``)
+        and a combine may start; else None, and the caller makes the calls, whose checks say what is wrong.
+        A graph replays on the slots it was captured on only; after it, ``replayed()``."""
+        if self._dispatch_passes(x, topk_ids, topk_weights, "auto", None) is None \
+                or self._in_flight["combine"] >= self._slots:
+            return None
+        return self._dispatches % self._slots, self._combines % self._slots
+
+    def replayed(self) -> None:
+        """Count the dispatch and the combine a caller's graph just replayed (``replay_slots``): the next calls
+        take the slots after theirs. An out-of-range expert id in a replayed dispatch is reported (ValueError,
+        at the next call) under the number of the call the graph captured."""
+        self._dispatches += 1
+        self._combines += 1
+
+    @property
+    def calls(self) -> tuple[int, int]:
+        """(dispatches, combines) made so far, replayed ones included: call n takes slot n % 2."""
+        return self._dispatches, self._combines
+
+    def rewind(self, calls: tuple[int, int]) -> None:
+        """Set the calls made so far back to `calls` (an earlier ``calls``), for a caller whose CUDA graph capture
+        of calls failed: a capture runs nothing, so the next calls take the slots the captured ones took."""
+        self._dispatches, self._combines = calls
+
     # ------------------------------------------------------------------------------------ elastic
 
     def mask_ranks(self, ranks) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from ..kernels.quant import quantize_weights_fp8
 
 
 MAX_PLANS = 8     # run_experts' plans a layer keeps (its all-to-all's two slots in two tile classes take four)
+MAX_FORWARDS = 32  # eager forwards' graphs a layer keeps, the least recently used dropped (16 token counts)
 
 
 class EPMoE(nn.Module):
@@ -81,15 +83,20 @@ class EPMoE(nn.Module):
             forward): the layer goes on without lost ranks, y leaves out their experts without
             renormalizing (see the module's docstring), and after each forward ``lost`` is its [T, K] bool
             report over the flattened tokens, valid until the forward after next (None unless elastic).
-        graph_experts: an eager forward on a GPU (nvshmem backend: its receive buffers stay where they are)
-            replays the local experts' three launches as a CUDA graph captured at the second forward on the
-            same buffers (``moe_ep.graphs``): one host call where the launches' Python takes longer than the
-            kernels at decode sizes. What they write lives in one allocation per GPU and stream, shared by
-            every such layer and held while they live, as large as the largest layer's intermediates and
-            output at capacity (E_loc x W * max_tokens rows: 86 MB at Qwen3-30B-A3B's shape on 4 ranks and
-            max_tokens=128); a layer whose buffers would take more than ``graphs.MAX_BYTES`` (1 GiB)
-            launches them. False launches them at every forward. A forward captured by the caller (a CUDA
-            graph of the model) launches them either way.
+        replay: an eager forward on a GPU (nvshmem backend, not elastic) replays CUDA graphs of its launches
+            (``moe_ep.graphs``): one host call where their Python takes longer than the kernels at decode
+            sizes. The second forward of a token count on a slot of the all-to-all's buffers (and a stream)
+            captures its dispatch, experts and combine as one graph, which later forwards replay after
+            copying the tokens, ids and weights in (``MAX_FORWARDS`` such graphs a layer); where a forward
+            launches (its first, and the rest where no whole forward can be captured), the local experts'
+            three launches are replayed from a graph of their own, captured at the second forward on the same
+            buffers. What the graphs write lives in one allocation per GPU and stream, shared by every such
+            layer and held while they live, as large as the largest layer's intermediates and output at
+            capacity (E_loc x W * max_tokens rows: 86 MB at Qwen3-30B-A3B's shape on 4 ranks and
+            max_tokens=128) and a forward's tokens, ids, weights and output; a layer whose buffers would take
+            more than ``graphs.MAX_BYTES`` (1 GiB) launches. False launches everything at every forward. A
+            forward captured by the caller (a CUDA graph of the model) launches either way. An out-of-range
+            expert id in a replayed forward is reported under the number of the dispatch the graph captured.
         dtype, device: of the weights (and so of the tokens the layer takes).
     """
 
@@ -97,7 +104,7 @@ class EPMoE(nn.Module):
                  activation="silu", router: nn.Module | None = None, shared_experts: nn.Module | None = None,
                  routed_scaling_factor: float = 1.0,
                  max_tokens: int = 4096, fp8_dispatch: bool = True, fp8_group: int = 128, backend: str = "nvshmem",
-                 fp8_experts: bool = False, elastic: bool = False, graph_experts: bool = True,
+                 fp8_experts: bool = False, elastic: bool = False, replay: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         world = dist.get_world_size(group)
@@ -114,7 +121,7 @@ class EPMoE(nn.Module):
         device = runtime.checked_device(device)
         self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
         self.group, self.max_tokens, self.backend, self.elastic = group, max_tokens, backend, elastic
-        self.graph_experts = graph_experts
+        self.replay = replay
         self.lost: torch.Tensor | None = None      # elastic: the last forward's [T, K] lost-expert report
         if fp8_experts and (hidden % WEIGHT_BLOCK.value or intermediate % WEIGHT_BLOCK.value):
             raise ValueError(f"fp8_experts needs hidden and intermediate multiples of {WEIGHT_BLOCK.value}, "
@@ -132,6 +139,7 @@ class EPMoE(nn.Module):
                                                   dtype=dtype, device=device))
         self._all_to_all: EPAllToAll | None = None
         self._plans: dict[tuple, _Planned] = {}    # run_experts' launches, by the operands they were planned on
+        self._forwards: OrderedDict[tuple, _Forward] = OrderedDict()   # eager forwards' graphs, by _forward_key
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -144,6 +152,7 @@ class EPMoE(nn.Module):
                 bound = 1 / math.sqrt(fan_in)
                 weight.uniform_(-bound, bound)
         self._fp8_weights = None
+        self._forwards.clear()                     # their graphs read the FP8 weights quantized before
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,16 +169,47 @@ class EPMoE(nn.Module):
             _, topk_weights, topk_ids = self.router(tokens)
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
-        recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids.contiguous(), topk_weights.contiguous())
-        rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
-        # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
-        expert_out = self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts,
-                                   replay=self.graph_experts)
-        y = ep.combine(expert_out, handle, out=torch.empty_like(tokens))
-        self.lost = handle.lost
+        topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+        key = None if fp8_experts is not None else self._forward_key(tokens, topk_ids, topk_weights, ep)
+        forward = None if key is None else self._forwards.get(key)
+        y = None if forward is None else forward(ep, tokens, topk_ids, topk_weights)
+        if y is None:
+            y, plan = self._launched(tokens, topk_ids, topk_weights, ep, fp8_experts)
+            if key is not None and forward is None and plan is not None:
+                self._forwards[key] = _Forward(plan)
+                if len(self._forwards) > MAX_FORWARDS:
+                    self._forwards.popitem(last=False)
+        else:
+            self._forwards.move_to_end(key)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return y
+
+    def _launched(self, tokens, topk_ids, topk_weights, ep: EPAllToAll, fp8_experts):
+        """A forward's dispatch, experts and combine, launched (the experts replayed where they have a graph):
+        (y, the experts' plan, or None where torch ran them)."""
+        recv_x, recv_scales, recv_count, handle = ep.dispatch(tokens, topk_ids, topk_weights)
+        rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
+        plan = self._plan(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts)
+        # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
+        expert_out = self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts) if plan is None \
+            else plan(self.replay)
+        y = ep.combine(expert_out, handle, out=torch.empty_like(tokens))
+        self.lost = handle.lost
+        return y, plan
+
+    def _forward_key(self, tokens, topk_ids, topk_weights, ep: EPAllToAll) -> tuple | None:
+        """What an eager forward's graph (``_Forward``) is captured for: the token count, the all-to-all's slots,
+        the stream, the ids' and weights' dtypes and the experts' weights; None where the forward launches
+        (replay off, elastic, the reference backend, inside a caller's capture, or a dispatch that would not
+        pass its checks as it is: the launch's checks then say what is wrong)."""
+        if not self.replay or self.elastic or self.backend != "nvshmem" or graphs.capturing(tokens.is_cuda):
+            return None
+        slots = ep.replay_slots(tokens, topk_ids, topk_weights)
+        if slots is None:
+            return None
+        return (tokens.shape[0], slots, graphs.current_stream(tokens.device), topk_ids.dtype, topk_weights.dtype,
+                self.fp8_experts, self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
 
     def run_experts(self, recv_x, recv_scales, recv_count, rows_per_expert: float | None = None,
                     fp8_experts: bool | None = None, kernels: bool | None = None) -> torch.Tensor:
@@ -184,25 +224,33 @@ class EPMoE(nn.Module):
         """
         return self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
 
-    def _experts(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None,
-                 replay: bool = False) -> torch.Tensor:
-        """run_experts; with `replay`, the kernels' CUDA graph where there is one (the layer's forwards: their
-        result is a buffer shared by every layer on the stream, which combine reads before the next replay)."""
-        fp8 = self.fp8_experts if fp8_experts is None else fp8_experts
-        if fp8:
-            if self._fp8_weights is None or self._fp8_weights[0].device != self.gate_up_proj.device:
-                self.quantize_experts()
-            gate_up, gate_up_scales, down, down_scales = self._fp8_weights
-        else:
-            gate_up, gate_up_scales, down, down_scales = self.gate_up_proj, None, self.down_proj, None
-        packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
-        activation = self._kernel_activation or self.activation
-        if not (recv_x.is_cuda if kernels is None else kernels) or not isinstance(activation, str):
-            return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group, activation,
-                             gate_up_scales, down_scales, out_dtype=self.gate_up_proj.dtype, packed_rows=packed_rows,
-                             rows_per_expert=rows_per_expert, kernels=kernels)
-        # The kernels planned once per slot of the all-to-all's buffers and tile class (GatedMLP): a forward's
-        # host time at decode sizes is mostly what gated_mlp would check and describe again.
+    def _experts(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None) -> torch.Tensor:
+        """run_experts: the kernels' plan launched, or torch's gated_mlp where there is none."""
+        plan = self._plan(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
+        if plan is not None:
+            return plan(False)
+        gate_up, gate_up_scales, down, down_scales = self._expert_weights(fp8_experts)
+        return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
+                         self._kernel_activation or self.activation, gate_up_scales, down_scales,
+                         out_dtype=self.gate_up_proj.dtype, packed_rows=recv_x.shape[1] * min(self.topk, len(recv_x)),
+                         rows_per_expert=rows_per_expert, kernels=kernels)
+
+    def _expert_weights(self, fp8_experts) -> tuple:
+        """(gate_up, its scales, down, its scales): the FP8 weights (quantized at the first use) with
+        fp8_experts (default: the layer's), else the parameters and no scales."""
+        if not (self.fp8_experts if fp8_experts is None else fp8_experts):
+            return self.gate_up_proj, None, self.down_proj, None
+        if self._fp8_weights is None or self._fp8_weights[0].device != self.gate_up_proj.device:
+            self.quantize_experts()
+        return self._fp8_weights
+
+    def _plan(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None) -> _Planned | None:
+        """The kernels planned on these operands (GatedMLP, made once per slot of the all-to-all's buffers and
+        tile class: a forward's host time at decode sizes is mostly what gated_mlp would check and describe
+        again); None where torch runs the experts (not on the kernels, or an activation only torch applies)."""
+        if not (recv_x.is_cuda if kernels is None else kernels) or self._kernel_activation is None:
+            return None
+        gate_up, gate_up_scales, down, down_scales = self._expert_weights(fp8_experts)
         decode = (recv_x.shape[1] if rows_per_expert is None else rows_per_expert) <= DECODE_ROWS
         key = (recv_x.data_ptr(), recv_x.shape, recv_x.dtype, None if recv_scales is None else recv_scales.data_ptr(),
                recv_count.data_ptr(), gate_up.data_ptr(), down.data_ptr(), decode)
@@ -211,10 +259,11 @@ class EPMoE(nn.Module):
             self._plans = {k: p for k, p in self._plans.items() if k[5:7] == key[5:7]}
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
+            packed_rows = recv_x.shape[1] * min(self.topk, len(recv_x))
             plan = self._plans[key] = _Planned(GatedMLP(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
-                                                        activation, gate_up_scales, down_scales,
+                                                        self._kernel_activation, gate_up_scales, down_scales,
                                                         self.gate_up_proj.dtype, packed_rows, rows_per_expert))
-        return plan(replay and recv_x.is_cuda)
+        return plan
 
     def quantize_experts(self) -> tuple:
         """Quantize this rank's expert weights to FP8 (128 x 128 blocks) for fp8_experts; returns and
@@ -223,12 +272,14 @@ class EPMoE(nn.Module):
             self._fp8_weights = (*quantize_weights_fp8(self.gate_up_proj.detach(), WEIGHT_BLOCK.value),
                                  *quantize_weights_fp8(self.down_proj.detach(), WEIGHT_BLOCK.value))
         self._plans.clear()                        # they hold the weights they were planned on
+        self._forwards.clear()
         return self._fp8_weights
 
     def destroy(self) -> None:
         """Free the layer's all-to-all (collective, as building it at the first forward was; idempotent).
         A later forward builds a new one."""
         self._plans.clear()                        # they hold views of the all-to-all's buffers
+        self._forwards.clear()
         if self._all_to_all is not None:
             self._all_to_all.destroy()
             self._all_to_all = None
@@ -240,6 +291,7 @@ class EPMoE(nn.Module):
         device = self.gate_up_proj.device
         if self._all_to_all is None or (self.backend == "reference" and self._all_to_all.device != device):
             self._plans.clear()
+            self._forwards.clear()
             self._all_to_all = EPAllToAll(self.max_tokens, self.hidden, self.num_experts, self.topk, group=self.group,
                                           dtype=self.gate_up_proj.dtype, fp8_dispatch=self.fp8_dispatch,
                                           fp8_group=self.fp8_group, backend=self.backend, device=device,
@@ -274,10 +326,65 @@ class _Planned:
         try:
             return Replay(self.mlp.launch, self.mlp.made, self.mlp.device, stream)
         except RuntimeError as e:    # a capture CUDA refused, or no memory for the scratch: launch, and go on
-            first_line = (str(e).splitlines() or [""])[0]
-            warnings.warn(f"EPMoE: the experts' CUDA graph could not be captured ({type(e).__name__}: {first_line}); "
-                          "they are launched at every forward on this stream", RuntimeWarning, stacklevel=4)
+            _not_captured("the experts' CUDA graph", e, "they are launched at every forward on this stream")
             return False
+
+
+class _Forward:
+    """The eager forwards of one ``EPMoE._forward_key`` (a token count, a pair of the all-to-all's slots, a
+    stream): the plan of the experts that ran at the first, which launched; from the second on, the dispatch,
+    those experts and the combine captured as one CUDA graph (moe_ep.graphs.Replay), its buffers carved from the
+    stream's scratch: the experts' (as their own graph's), then the tokens, ids and weights the dispatch reads,
+    then the combine's output. A call copies the forward's tokens, ids and weights in, replays and returns a
+    copy of the output (the scratch is shared: the next replay on the stream writes over it); None where the
+    forward must launch (the buffers pass graphs.MAX_BYTES, or a capture failed: with a warning, once). Captured
+    again when its stream's scratch was replaced by a larger one."""
+
+    def __init__(self, plan: _Planned):
+        self.plan = plan
+        self.graph: Replay | bool | None = None      # None: not captured yet; False: launch
+
+    def __call__(self, ep: EPAllToAll, tokens, topk_ids, topk_weights) -> torch.Tensor | None:
+        graph, inputs = self.graph, (tokens, topk_ids, topk_weights)
+        if graph is False:
+            return None
+        if graph is None or not graph.current:
+            graph = self.graph = self._capture(ep, inputs)     # the capture counts the calls it records
+            if not graph:
+                return None
+        else:
+            ep.replayed()
+        *_, x, ids, weights, out = graph.buffers
+        torch._foreach_copy_([x, ids, weights], list(inputs))     # one host call for the three copies
+        graph()
+        return out.clone()
+
+    def _capture(self, ep: EPAllToAll, inputs) -> Replay | bool:
+        tokens, mlp = inputs[0], self.plan.mlp
+        made = (*mlp.made, *((t.shape, t.dtype) for t in inputs), (tokens.shape, tokens.dtype))
+        if Scratch.size(made) > graphs.MAX_BYTES:
+            return False
+
+        def launch(*buffers):
+            *experts, x, ids, weights, out = buffers
+            *_, handle = ep.dispatch(x, ids, weights)       # into the slot's buffers, which the plan was made on
+            ep.combine(mlp.launch(*experts), handle, out=out)
+
+        calls = ep.calls
+        try:
+            return Replay(launch, made, tokens.device, graphs.current_stream(tokens.device))
+        except RuntimeError as e:    # as _Planned's; the calls the capture counted never ran
+            ep.rewind(calls)
+            _not_captured(f"the CUDA graph of a forward of {tokens.shape[0]} tokens", e,
+                          "those forwards launch on this stream")
+            return False
+
+
+def _not_captured(what: str, error: Exception, then: str) -> None:
+    """Warn that `what` could not be captured (the first line of `error`) and what happens `then`."""
+    first_line = (str(error).splitlines() or [""])[0]
+    warnings.warn(f"EPMoE: {what} could not be captured ({type(error).__name__}: {first_line}); {then}",
+                  RuntimeWarning, stacklevel=5)
 
 
 def _kernel_activation(activation) -> str | None:
