@@ -8,8 +8,9 @@ grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
 split into dispatch / experts (launched) / combine; the forward eager (replayed from the layer's own CUDA
-graph of the forward, EPMoE's replay; forward_launched_us: launched at every forward; the two interleaved; at
-the default max_tokens the experts' buffers pass graphs.MAX_BYTES and both launch) and the whole forward
+graph of the forward, EPMoE's replay; forward_experts_replayed_us: dispatch and combine launched, the experts
+replayed from their own graph; forward_launched_us: everything launched; the three interleaved; at the
+default max_tokens the experts' buffers pass graphs.MAX_BYTES and all three launch) and the whole forward
 replayed from the caller's CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
 once, and the flops of the rows this rank received, each at the datasheet peak, timing.floor_us): the
 NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is
@@ -99,10 +100,13 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
             def forward(replay: bool):           # eager, the forward replayed or launched (EPMoE's replay)
                 layer.replay = replay
                 return layer(x, ids, weights)
+
+            def experts_replayed():              # a forward told its experts' weights launches; its experts replay
+                return layer._forward(x, ids, weights, ep, fp8_experts=fp8_experts)
             try:
-                times["forward_us"], times["forward_launched_us"] = interleaved_median_us(
-                    [functools.partial(forward, True), functools.partial(forward, False)], iters, 1,
-                    call_after_barrier_us)
+                times["forward_us"], times["forward_experts_replayed_us"], times["forward_launched_us"] = \
+                    interleaved_median_us([functools.partial(forward, True), experts_replayed,
+                                           functools.partial(forward, False)], iters, 1, call_after_barrier_us)
             finally:
                 layer.replay = True
             if backend == "nvshmem":
@@ -213,8 +217,8 @@ def rowwise_fp8(x: torch.Tensor, chunk: int = 65536):
 
 
 LAYER_COLUMNS = ["tokens", "backend", "max_tokens", "fp8_dispatch", "fp8_experts", "dispatch_us", "experts_us",
-                 "expert_rows", "experts_floor_us", "combine_us", "forward_us", "forward_launched_us", "graph_us",
-                 "fp8_experts_rel_error", "error"]
+                 "expert_rows", "experts_floor_us", "combine_us", "forward_us", "forward_experts_replayed_us",
+                 "forward_launched_us", "graph_us", "fp8_experts_rel_error", "error"]
 GEMM_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "TFLOPs", "GBs", "error"]
 
 
