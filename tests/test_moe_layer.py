@@ -188,6 +188,43 @@ def test_a_layer_built_directly_is_initialised_like_linear():
     run(_initialised_like_linear, 2)
 
 
+def _forward_keys(rank, world):
+    """Which eager forwards replay a graph of their own (EPMoE._forward_key): on the nvshmem backend, up to the
+    all-to-all's one_launch_tokens tokens, outside a caller's capture, where the dispatch would pass its checks;
+    keyed by the token count, the slots, the stream, the ids' and weights' dtypes and the experts. The rest
+    launch. (The backend and the all-to-all are stood in for: no NVSHMEM here; the process is this rank's own.)"""
+    from types import SimpleNamespace
+    from moe_ep import graphs
+    graphs.current_stream = lambda device: 7
+    layer = EPMoE(64, 32, 8, 2, backend="reference", dtype=torch.float32, fp8_dispatch=False)
+    layer.backend = "nvshmem"
+    ep = SimpleNamespace(one_launch_tokens=16, replay_slots=lambda x, ids, weights: (1, 0))
+
+    def key(tokens, ids_dtype=torch.int64, **change):
+        ids, weights = random_topk(tokens, 8, 2)
+        return layer._forward_key(torch.randn(tokens, 64), ids.to(ids_dtype), weights, SimpleNamespace(**{
+            **vars(ep), **change}))
+
+    assert key(16) == (16, (1, 0), 7, torch.int64, torch.float32, False, layer.gate_up_proj.data_ptr(),
+                       layer.down_proj.data_ptr())
+    assert key(0)[:2] == (0, (1, 0)) and key(3, torch.int32)[3] == torch.int32
+    assert key(17) is None                                               # past the crossover: launched
+    assert key(16, one_launch_tokens=0) is None
+    assert key(4, replay_slots=lambda x, ids, weights: None) is None       # its checks would refuse it
+    graphs.capturing = lambda cuda: True                                   # inside a caller's capture
+    assert key(4) is None
+    graphs.capturing = lambda cuda: False
+    for name, value in (("replay", False), ("elastic", True), ("backend", "reference")):
+        setattr(layer, name, value)
+        assert key(4) is None, name
+        setattr(layer, name, {"replay": True, "elastic": False, "backend": "nvshmem"}[name])
+    assert key(4) is not None
+
+
+def test_which_forwards_replay_a_graph():
+    run(_forward_keys, 1)
+
+
 def _swap_refuses_a_backend_that_cannot_run(rank, world):
     """swap_moe with the default (nvshmem) backend where it cannot run (no GPU, or no nvshmem4py) refuses
     before it changes anything."""

@@ -474,6 +474,13 @@ class EPAllToAll(runtime.CommObject):
         self._combines += 1
 
     @property
+    def one_launch_tokens(self) -> int:
+        """The most tokens an eager "auto" dispatch takes the one-launch decode tiles for: up to it a call's host
+        time outweighs what the prefill tiles save on the GPU (``low_latency.ONE_LAUNCH_TOKENS``, or what
+        ``measure_crossover`` measured; 0 on the reference backend)."""
+        return self.protocol.one_launch_tokens
+
+    @property
     def calls(self) -> tuple[int, int]:
         """(dispatches, combines) made so far, replayed ones included: call n takes slot n % 2."""
         return self._dispatches, self._combines

@@ -87,10 +87,12 @@ class EPMoE(nn.Module):
             (``moe_ep.graphs``): one host call where their Python takes longer than the kernels at decode
             sizes. The second forward of a token count on a slot of the all-to-all's buffers (and a stream)
             captures its dispatch, experts and combine as one graph, which later forwards replay after
-            copying the tokens, ids and weights in (``MAX_FORWARDS`` such graphs a layer); where a forward
-            launches (its first, and the rest where no whole forward can be captured), the local experts'
-            three launches are replayed from a graph of their own, captured at the second forward on the same
-            buffers. What the graphs write lives in one allocation per GPU and stream, shared by every such
+            copying the tokens, ids and weights in (``MAX_FORWARDS`` such graphs a layer), up to the
+            all-to-all's ``one_launch_tokens`` tokens (128, or what its measure_crossover() measured: where
+            launches' host time outweighs the GPU's work); where a forward launches (its first, larger
+            ones, and where no whole forward can be captured), the local experts' three launches are
+            replayed from a graph of their own, captured at the second forward on the same buffers. What
+            the graphs write lives in one allocation per GPU and stream, shared by every such
             layer and held while they live, as large as the largest layer's intermediates and output at
             capacity (E_loc x W * max_tokens rows: 86 MB at Qwen3-30B-A3B's shape on 4 ranks and
             max_tokens=128) and a forward's tokens, ids, weights and output; a layer whose buffers would take
@@ -201,9 +203,13 @@ class EPMoE(nn.Module):
     def _forward_key(self, tokens, topk_ids, topk_weights, ep: EPAllToAll) -> tuple | None:
         """What an eager forward's graph (``_Forward``) is captured for: the token count, the all-to-all's slots,
         the stream, the ids' and weights' dtypes and the experts' weights; None where the forward launches
-        (replay off, elastic, the reference backend, inside a caller's capture, or a dispatch that would not
-        pass its checks as it is: the launch's checks then say what is wrong)."""
-        if not self.replay or self.elastic or self.backend != "nvshmem" or graphs.capturing(tokens.is_cuda):
+        (replay off, elastic, the reference backend, more tokens than the all-to-all's ``one_launch_tokens``,
+        inside a caller's capture, or a dispatch that would not pass its checks as it is: the launch's checks
+        then say what is wrong). Above ``one_launch_tokens`` the GPU's work hides the launches' host time, and
+        the copies in and out only add to it: at 4 ranks and 2048 tokens the whole replay took 37-52 us more
+        than launching with the experts replayed, at 128 tokens 26-88 us less (benchmarks/NOTES.md)."""
+        if not self.replay or self.elastic or self.backend != "nvshmem" or tokens.shape[0] > ep.one_launch_tokens \
+                or graphs.capturing(tokens.is_cuda):
             return None
         slots = ep.replay_slots(tokens, topk_ids, topk_weights)
         if slots is None:
