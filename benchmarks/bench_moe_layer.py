@@ -8,7 +8,8 @@ grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
 split into dispatch / experts (launched) / combine; the forward eager (replayed from the layer's own CUDA
-graph of the forward, EPMoE's replay; forward_experts_replayed_us: dispatch and combine launched, the experts
+graph of the forward, EPMoE's replay, up to the all-to-all's one_launch_tokens tokens, above them as the next
+column; forward_experts_replayed_us: dispatch and combine launched, the experts
 replayed from their own graph; forward_launched_us: everything launched; the three interleaved; at the
 default max_tokens the experts' buffers pass graphs.MAX_BYTES and all three launch) and the whole forward
 replayed from the caller's CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
