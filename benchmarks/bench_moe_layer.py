@@ -7,12 +7,12 @@ warm compile cache (--tokens 128: 29 s warm, 42 s cold; each with the launch); -
 grouped GEMM alone (bench_gemm.py --grouped times its candidates against torch's).
 
 Layer: Qwen3-30B-A3B's MoE block (hidden 2048, expert intermediate 768, 128 experts, top-8, bf16),
-split into dispatch / experts (launched) / combine; the forward eager (replayed from the layer's own CUDA
-graph of the forward, EPMoE's replay, up to the all-to-all's one_launch_tokens tokens, above them as the next
-column; forward_experts_replayed_us: dispatch and combine launched, the experts
-replayed from their own graph; forward_launched_us: everything launched; the three interleaved; at the
-default max_tokens the experts' buffers pass graphs.MAX_BYTES and all three launch) and the whole forward
-replayed from the caller's CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
+split into dispatch / experts (launched) / combine; the forward eager (forward_us: replayed from the
+layer's own CUDA graph of the forward, EPMoE's replay, up to the all-to-all's one_launch_tokens tokens, and
+above them as the next column; forward_experts_replayed_us: dispatch and combine launched, the experts replayed
+from their own graph; forward_launched_us: everything launched; the three interleaved; at the default
+max_tokens the experts' buffers pass graphs.MAX_BYTES and all three launch) and the whole forward replayed
+from the caller's CUDA graph (experts_floor_us: the weights of this rank's experts that received rows, read
 once, and the flops of the rows this rank received, each at the datasheet peak, timing.floor_us): the
 NVSHMEM backend with max_tokens = tokens and with EPMoE's default max_tokens (the cost of capacity that is
 not used), FP8 and bf16 dispatch, FP8 experts; the reference backend (NCCL); and the transformers
@@ -102,7 +102,7 @@ def layer_times(tokens: int, backend: str, max_tokens: int, fp8: bool, fp8_exper
                 layer.replay = replay
                 return layer(x, ids, weights)
 
-            def experts_replayed():              # a forward told its experts' weights launches; its experts replay
+            def experts_replayed():              # fp8_experts given: never replayed whole, its experts replayed
                 return layer._forward(x, ids, weights, ep, fp8_experts=fp8_experts)
             try:
                 times["forward_us"], times["forward_experts_replayed_us"], times["forward_launched_us"] = \
