@@ -826,6 +826,13 @@ def _combine_send_items(y_ptr, kept_w_ptr, kept_row_ptr, kept_tokens_ptr, peers,
 
 
 @triton.jit
+def _token_ids(ids_ptr, item, end, chunks, topk, K_PAD: tl.constexpr):
+    """The expert ids [K_PAD] of combine work item `item`'s token (topk_ids [T, K]) where item < end; else -1s."""
+    kk = tl.arange(0, K_PAD)
+    return tl.load(ids_ptr + item // chunks * topk + kk, mask=kk < tl.where(item < end, topk, 0), other=-1)
+
+
+@triton.jit
 def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step, num_tokens, slot, world, max_tokens,
                         hidden, topk, experts_per_rank, reached, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
                         WORLD_PAD: tl.constexpr, ELASTIC: tl.constexpr):
@@ -837,14 +844,13 @@ def _combine_recv_items(out_ptr, ids_ptr, data_ptr, lost_ptr, item0, items_step,
     chunks = tl.cdiv(hidden, BLOCK_H)
     kk = tl.arange(0, K_PAD)
     items = num_tokens * chunks
-    following = tl.load(ids_ptr + item0 // chunks * topk + kk, mask=kk < tl.where(item0 < items, topk, 0), other=-1)
+    following = _token_ids(ids_ptr, item0, items, chunks, topk, K_PAD)
     for item in range(item0, items, items_step):
         t = item // chunks
         cols = (item % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < hidden
         ids = following.to(tl.int32)
-        after = item + items_step
-        following = tl.load(ids_ptr + after // chunks * topk + kk, mask=kk < tl.where(after < items, topk, 0), other=-1)
+        following = _token_ids(ids_ptr, item + items_step, items, chunks, topk, K_PAD)
         dest = tl.where(ids >= 0, ids // experts_per_rank, -1)
         if ELASTIC:                                     # experts on ranks not reached count as dropped
             lost = (dest >= 0) & ~_bit(reached, tl.maximum(dest, 0))

@@ -194,7 +194,7 @@ class EPMoE(nn.Module):
         rows_per_expert = tokens.shape[0] * ep.world * self.topk / self.num_experts   # expected, for the tile shapes
         plan = self._plan(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts)
         # A tensor of its own: the layer's output outlives the all-to-all's buffers (reused two calls later).
-        expert_out = self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts) if plan is None \
+        expert_out = self._gated_mlp(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts) if plan is None \
             else plan(self.replay)
         y = ep.combine(expert_out, handle, out=torch.empty_like(tokens))
         self.lost = handle.lost
@@ -231,10 +231,15 @@ class EPMoE(nn.Module):
         return self._experts(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
 
     def _experts(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None) -> torch.Tensor:
-        """run_experts: the kernels' plan launched, or torch's gated_mlp where there is none."""
+        """run_experts: the kernels' plan launched, or gated_mlp where there is none."""
         plan = self._plan(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
         if plan is not None:
             return plan(False)
+        return self._gated_mlp(recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels)
+
+    def _gated_mlp(self, recv_x, recv_scales, recv_count, rows_per_expert, fp8_experts, kernels=None) -> torch.Tensor:
+        """The experts where they have no plan (``_plan``): kernels.grouped_gemm.gated_mlp, torch's form of them
+        where `kernels` says so or the activation is one only torch applies."""
         gate_up, gate_up_scales, down, down_scales = self._expert_weights(fp8_experts)
         return gated_mlp(recv_x, gate_up, down, recv_count, recv_scales, self.fp8_group,
                          self._kernel_activation or self.activation, gate_up_scales, down_scales,
