@@ -62,11 +62,11 @@ def _unserved_tensors_cross_as_copies(rank, world):
         dist.all_reduce(tensors[0], group=group)
 
     served = torch.ones(3, dtype=torch.float64)
-    collectives._collective(recording, None, served, None, None)
+    collectives._collective(recording, served, None, None)
     assert seen[-1][0] is served and torch.equal(served, torch.full((3,), float(world), dtype=torch.float64))
 
     unserved = torch.ones(3)
-    collectives._collective(recording, None, unserved, None, None)
+    collectives._collective(recording, unserved, None, None)
     assert seen[-1][0].dtype == torch.float64 and unserved.dtype == torch.float32
     assert torch.equal(unserved, torch.full((3,), float(world)))
 

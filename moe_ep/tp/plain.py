@@ -6,9 +6,10 @@
 
 W is the group's size; rows are sharded in rank order, as all_gather and reduce_scatter do; w may have any
 strides (``linear.weight.t()``). The collectives are ``moe_ep.collectives``' (NCCL, or gloo on CPU), so
-tensors on a device the group does not serve cross it as copies. This is AsyncTP's "never" path, its
-``backend="reference"``, and the TP layers' path without a communicator; ``moe_ep.reference`` states the
-same contracts as the tests' oracle.
+tensors on a device the group does not serve cross it as copies; the GEMMs are ``torch.mm``, which ``a @ w``
+reaches after 0.2 us of Python (development CPU: at decode sizes a call's host time shows in its time). This
+is AsyncTP's "never" path, its ``backend="reference"``, and the TP layers' path without a communicator;
+``moe_ep.reference`` states the same contracts as the tests' oracle.
 
 What gemm_rs and gemm_ar sum: each rank's partial a @ w in a's dtype, added over the ranks
 
@@ -40,7 +41,7 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, return_gathered:
     rows, k = a_shard.shape
     gathered = a_shard.new_empty((collectives.world_size(group) * rows, k))
     collectives.all_gather_into_tensor(gathered, a_shard.contiguous(), group=group)
-    out = gathered @ w
+    out = torch.mm(gathered, w)
     return (out, gathered) if return_gathered else out
 
 
@@ -51,7 +52,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, sum_dtype: torch.dtype
     world = collectives.world_size(group)
     if a.shape[0] % world:
         raise ValueError(f"gemm_rs: M={a.shape[0]} rows cannot be scattered evenly over {world} ranks")
-    partial = a @ w                       # launched first: the host work below runs beside it
+    partial = torch.mm(a, w)              # launched first: the host work below runs beside it
     if sum_dtype is not None:
         partial = _in_dtype(partial, sum_dtype)
     out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
@@ -62,7 +63,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, sum_dtype: torch.dtype
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, sum_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a [M, K] (this rank's columns of the activations), w [K, N] -> out [M, N] in a's dtype: the sum over
     ranks of a @ w, the same on every rank, summed in `sum_dtype` (None: a's dtype; see the module docstring)."""
-    partial = a @ w
+    partial = torch.mm(a, w)
     if sum_dtype is not None:
         partial = _in_dtype(partial, sum_dtype)
     collectives.all_reduce(partial, group=group)
