@@ -70,11 +70,18 @@ def _unserved_tensors_cross_as_copies(rank, world):
     assert seen[-1][0].dtype == torch.float64 and unserved.dtype == torch.float32
     assert torch.equal(unserved, torch.full((3,), float(world)))
 
+    crossed, scatter = [], collectives._reduce_scatter
+
+    def scatter_recording(output, input, group=None):
+        crossed.append((output.dtype, input.dtype))
+        scatter(output, input, group=group)
+
+    collectives._reduce_scatter = scatter_recording
     rows = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
     mine = torch.empty(2)
-    collectives.reduce_scatter_tensor(mine, rows)
+    collectives.reduce_scatter_tensor(mine, rows)      # not to the group's method: the copies go to the wrapper
     expected = torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * sum(range(1, world + 1))
-    assert torch.equal(mine, expected)
+    assert torch.equal(mine, expected) and crossed == [(torch.float64, torch.float64)]
     gathered = torch.empty(2 * world)
     collectives.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), timeout_s=30)
     assert torch.equal(gathered, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
