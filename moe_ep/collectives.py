@@ -96,8 +96,8 @@ def _options(make, reduce_op=None):
     return options
 
 
-_OPTIONS = (_options(_c10d.AllreduceOptions, dist.ReduceOp.SUM), _options(_c10d.AllgatherOptions),
-            _options(_c10d.ReduceScatterOptions, dist.ReduceOp.SUM))
+_OPTIONS = (_options(_c10d.AllreduceOptions, _SUM), _options(_c10d.AllgatherOptions),
+            _options(_c10d.ReduceScatterOptions, _SUM))
 
 
 def _direct(which: int, tensors: tuple, group) -> bool:
