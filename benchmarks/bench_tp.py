@@ -24,7 +24,8 @@ state) and whatever a call leaves for the next fall on all alike:
               per-call checks; the collectives as moe_ep.collectives makes them, the group's own methods),
               what `auto` keeps at small shapes: `never_speedup` under 1 is that method's cost
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
-  fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs); fused_tma: with tile_loop="tma"
+  fused       moe_ep.AsyncTP, overlap="fused" (the persistent Triton GEMMs), tile_loop="pointer"; fused_tma:
+              with tile_loop="tma" (AsyncTP's default, what never and auto run with)
   chunked     moe_ep.AsyncTP, overlap="chunked" (one cuBLAS GEMM per shard, copy-engine transfers; not GEMM-AR)
   auto        moe_ep.AsyncTP, overlap="auto" (what the layers get; `auto_path` names its choice for eager
               calls, which its first call makes by timing the candidate paths, and `auto_graph_path` its
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import AsyncTP
-from moe_ep.kernels.matmul import fused_tile_config, matmul
+from moe_ep.kernels.matmul import DEFAULT_VARIANT, fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
 from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
                            finish, graph_times, heading, interleaved_median_us, markdown_table, row_line, write_json,
@@ -137,13 +138,13 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
             return out
         gemm = lambda: a @ w                                               # noqa: E731
 
-    def with_overlap(mode, tile_loop="pointer"):
+    def with_overlap(mode, tile_loop=DEFAULT_VARIANT):      # the layers' tile loop, unless a column names one
         def call():
             tp.overlap, tp.tile_loop = mode, tile_loop
             return getattr(tp, op)(a, w)
         return call
     fused_op = {"ag_gemm": fused[0], "gemm_rs": fused[1]}.get(op)
-    paths = {"fused": with_overlap("fused"), "fused_tma": with_overlap("fused", "tma")}
+    paths = {"fused": with_overlap("fused", "pointer"), "fused_tma": with_overlap("fused", "tma")}
     if op != "gemm_ar":
         paths["chunked"] = with_overlap("chunked")
     paths["never"] = with_overlap("never")

@@ -16,6 +16,7 @@ import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
 from moe_ep.kernels.matmul import FUSED_VARIANTS, fused_tile_config
+from sm90 import run_without_interpreter
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter, on CPU-only machines")
@@ -154,10 +155,10 @@ def run_gemm_ar(ranks, a, ws):
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
-    for r, tp in enumerate(ranks):                       # every tile published to every rank
-        tp.launches.gemm_ar(a[r], ws[r], outs[r], config, publish=True, reduce=False)
-    for r, tp in enumerate(ranks):                       # then the sums, which wait for the peers' tiles
-        tp.launches.gemm_ar(a[r], ws[r], outs[r], config, publish=False, reduce=True)
+    for walk in ("publish", "reduce", "gather"):         # every partial sent to its owner, then the owners'
+        for r, tp in enumerate(ranks):                   # sums, which wait for them, then the copies of the sums
+            tp.launches.gemm_ar(a[r], ws[r], outs[r], config, **{flag: flag == walk for flag in
+                                                                 ("publish", "reduce", "gather")})
     return outs
 
 
@@ -194,9 +195,28 @@ def test_all_reduce_partials_that_never_land_time_out():
     a, w = torch.randn(4, 16), torch.randn(16, 8)
     ranks[0].buffers.tile_flags.zero_()
     config = fused_tile_config(4, 8, 4)
-    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config, publish=True, reduce=True)   # rank 1 idle
+    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config)   # rank 1 idle
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
+
+
+def test_a_sum_that_times_out_is_not_sent():
+    """Three ranks, one tile, owned by rank 0; rank 2 never runs. Rank 0's sum times out naming rank 2 and
+    sends nothing, so rank 1, waiting for that sum, times out too (naming rank 0) rather than copy a sum
+    that lacks rank 2's partial."""
+    ranks = simulated_group(3, 12, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(4, 16), torch.randn(16, 8)
+    config = fused_tile_config(4, 8, 4)
+    for tp in ranks:
+        tp.buffers.tile_flags.zero_()
+    for walk in ("publish", "reduce", "gather"):
+        for tp in ranks[:2]:
+            tp.launches.gemm_ar(a, w, torch.empty(4, 8), config,
+                                **{flag: flag == walk for flag in ("publish", "reduce", "gather")})
+    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 2"):
+        ranks[0].check()
+    with pytest.raises(CommTimeoutError, match=r"rank 1: GEMM all-reduce .* waiting for rank 0"):
+        ranks[1].check()
 
 
 def test_the_barrier_waits_for_every_rank_to_begin_the_call():
@@ -219,3 +239,32 @@ def test_the_barrier_waits_for_every_rank_to_begin_the_call():
 def test_tile_loop_must_be_one_the_fused_kernels_run():
     with pytest.raises(ValueError, match="tile_loop must be one of"):
         simulated_group(2, 8, 16, torch.float32, tile_loop="tma_flat")   # matmul's alone: its loop has no waits
+
+
+COMPILE_GEMM_AR = r"""
+from moe_ep.kernels.gemm_ar import gemm_ar_kernel
+from moe_ep.kernels.matmul import fused_tile_config
+from sm90 import compile_for_sm90
+
+for rows in (128, 512):                        # matmul_small_m's tiles, the tile loop's
+    config = fused_tile_config(rows, 28672, 2)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    for tma in (False, True):
+        descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
+                       else {})
+        types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*bf16", partial_peers="*i64", flags="*i64",
+                     flag_peers="*i64", state="*i64", status_addr="i64", timeout_ns="i64", **descriptors)
+        constants = dict(EVEN_K=True, PUBLISH=True, REDUCE=True, GATHER=True, TMA=tma, W_KMAJOR=True, WORLD_PAD=4,
+                         **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")},
+                         **({} if tma else dict(a_desc=None, w_desc=None)))
+        compile_for_sm90(gemm_ar_kernel, types, constants, num_warps=config["num_warps"],
+                         num_stages=config["num_stages"])
+        print(rows, "tma" if tma else "pointer")
+"""
+
+
+def test_gemm_all_reduce_compiles_for_sm90():
+    """gemm_ar_kernel, all three walks in one launch as the GPU runs it, compiles to a cubin for sm_90 (Triton's
+    PTX and ptxas, outside the interpreter) with both tile shapes and both ways of loading."""
+    lines = run_without_interpreter(COMPILE_GEMM_AR, timeout=600).splitlines()
+    assert lines == ["128 pointer", "128 tma", "512 pointer", "512 tma"]

@@ -104,8 +104,8 @@ its last store was issued, when its signal went out; ``EPAllToAll.breakdown`` re
 import triton
 import triton.language as tl
 
-from ..shmem import (INTERPRETING, SIGNAL_ADD, any_thread, bits_of, fence, last_to_finish, now_ns, putmem_nbi_block,
-                     putmem_signal_nbi_block, quiet, signal_add_to, wait_all_ge, wait_live_ge)
+from ..shmem import (INTERPRETING, SIGNAL_ADD, any_thread, bits_of, fence, last_to_finish, now_ns, peer_address,
+                     putmem_nbi_block, putmem_signal_nbi_block, quiet, signal_add_to, wait_all_ge, wait_live_ge)
 from .quant import SCALE_E4M3, SCALE_FP32, SCALE_NONE, cast_rn, quantize_groups
 from .status import (STATUS_BAD_CALL, STATUS_BAD_ID, STATUS_BAD_INDEX, STATUS_EVICTED, TAG_COMBINE_ARRIVAL,
                      TAG_COMBINE_CREDIT, TAG_DISPATCH_ARRIVAL, TAG_DISPATCH_CREDIT)
@@ -151,8 +151,8 @@ else:
 
 @triton.jit
 def _peer(peers, row, r, world, dtype: tl.constexpr):
-    """Rank r's copy of peer-table buffer `row`, as a pointer to dtype (symmetric buffers are 16-byte aligned)."""
-    return tl.multiple_of(tl.load(peers + row * world + r).to(tl.pointer_type(dtype)), 16)
+    """Rank r's copy of peer-table buffer `row`, as a pointer to dtype (``peer_address``)."""
+    return peer_address(peers, row * world + r, dtype)
 
 
 @triton.jit

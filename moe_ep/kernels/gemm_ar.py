@@ -3,71 +3,116 @@
     rank r holds a = its K-block of columns of the activations, w = its [K, N] block of rows
     (a row-parallel layer without sequence parallelism: decode, where M is small)
 
-One persistent kernel, one-shot: no reduce-scatter then all-gather, every rank sums every tile.
-A program computes a tile of this rank's partial, rounds it to the output dtype, stores it into
-slot r of every rank's symmetric `partials` (its own by a local store, the peers' through NVLink)
-and raises each peer's flag for (r, tile). Then it waits for the same tile's flag from every peer
-and sums the W slots in fp32 in rank order, and stores the result: every rank performs the same
-operations on the same values, so the ranks' outputs are bit-identical (a replicated activation
-must not drift apart across ranks).
+One persistent kernel, two-shot: each tile of the output has an owner rank, which sums it and hands
+the sum to the others (a reduce-scatter, then an all-gather, tile by tile). A GPU sends 2(W-1)/W of
+[M, N] over NVLink, where a one-shot exchange (every rank sums every tile) sends (W-1) of it.
 
-A program publishes a tile before it waits for the peers' copies of it, and the peers' programs
-with the same id walk the same tiles in the same order: a wait only ever needs a tile that some
-program has already published or is about to publish without waiting first, so no wait can close
-a cycle while every program is resident (the grid is at most the SM count).
+A tile goes through three steps, on every rank in the program with the same id:
 
-PUBLISH and REDUCE select the halves of each tile's work; on the GPU both run in one launch. The
-CPU tests run every rank's PUBLISH half before any REDUCE half (the interpreter runs programs one
-after the other, and a wait for a tile not yet published would spin until its timeout).
+    publish  compute the tile of this rank's partial, round it to the output dtype and store it into
+             slot r of the owner's symmetric `partials` (through NVLink, then raise the owner's flag for
+             (r, tile)), or of its own where this rank owns the tile. No wait.
+    reduce   (the owner) wait for every peer's copy, sum the W slots in fp32 in rank order, store the
+             result into `out` and into slot r of every peer's `partials`, and raise their flags for
+             (r, tile).
+    gather   (the others) wait for the owner's flag, copy its sum from the owner's slot of this rank's
+             `partials` into `out`.
+
+A program walks its tiles in a pipeline: at step i it publishes its tile i, reduces tile i - 1 and
+gathers tile i - 2. What a step waits for was sent one step earlier by the peers (whose GEMM of the
+next tile has hidden the transfer), and only the last tiles' sums and copies follow the last GEMM;
+three walks one after the other left all of the reduce's and the gather's latency after it (2 x H100,
+M = 128: 22 and 14 us of the kernel's 147). Owners rotate along each program's tiles, (program + i)
+mod W, so that every program does its share of the sums.
+
+The owner's sum reaches every rank bit for bit (a replicated activation must not drift apart across
+ranks). Slot s of a rank's `partials` holds, tile by tile, either rank s's partial (tiles this rank owns)
+or rank s's sum (tiles rank s owns): no tile's slot is written twice, and flag (s, tile) announces it.
+
+Deadlock: every wait of step i is for something a peer's program sends at its step i - 1 before its own
+waits of that step (publish before reduce before gather), so by induction on i every wait ends while
+every program is resident (the grid is at most the SM count).
+
+PUBLISH, REDUCE and GATHER select the steps; on the GPU all three run in one launch. The CPU tests run
+every rank's publish, then every rank's reduce, then every rank's gather (the interpreter runs programs
+one after the other, and a wait for a tile not yet published would spin until its timeout).
 
 Reference: ``moe_ep.reference.gemm_ar`` (the same partials, rounded the same way, summed in fp32).
 """
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add
+from ..shmem import peer_address, signal_add, signal_add_to, wait_until_ge
 from .matmul import gemm_tile, sum_peer_tiles, tile_coords
 from .status import TAG_AR_TILE
 
+
+
+@triton.jit
+def tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile t's (pid_m, pid_n), its elements' offsets inside one [M, N] slab (32 bits) and their mask."""
+    pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    return pid_m, pid_n, offs_m[:, None] * N + offs_n[None, :], mask
 
 
 @triton.jit(do_not_specialize=["M", "rank", "world", "programs"])
 def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
                    M, N, K, rank, world, timeout_ns, stride_am, stride_wk, stride_wn, programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, PUBLISH: tl.constexpr, REDUCE: tl.constexpr, TMA: tl.constexpr,
-                   W_KMAJOR: tl.constexpr):
+                   EVEN_K: tl.constexpr, PUBLISH: tl.constexpr, REDUCE: tl.constexpr, GATHER: tl.constexpr,
+                   TMA: tl.constexpr, W_KMAJOR: tl.constexpr, WORLD_PAD: tl.constexpr):
     """a [M, K] (row stride stride_am); w [K, N] (any strides); out [M, N]; partials [world, M, N]
     in out's dtype and flags [world, tiles] int64 are symmetric, partial_peers / flag_peers [world]
     int64 hold every rank's address of them; state [programs] int64 clock words; status int32[5].
-    TMA: a and w loaded through a_desc and w_desc (``matmul.operand_descriptors``)."""
+    TMA: a and w loaded through a_desc and w_desc (``matmul.operand_descriptors``). WORLD_PAD: world
+    rounded up to a power of 2."""
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
+    mine = tl.cdiv(tiles - pid, programs)        # this program's tiles: pid + i * programs, i < mine
     slab = M.to(tl.int64) * N                    # elements of one [M, N] partial
+    dtype = out.dtype.element_ty
     failed = 0
-    for t in range(pid, tiles, programs):
-        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offsets = offs_m[:, None] * N + offs_n[None, :]        # inside one [M, N] slab: 32 bits
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        if PUBLISH:
+    for step in range(0, mine + 2):
+        if PUBLISH and step < mine:
+            t = pid + step * programs
+            owner = (pid + step) % world
+            pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            part = acc.to(out.dtype.element_ty)
-            tl.store(partials + rank * slab + offsets, part, mask=mask)
-            for step in range(1, world):             # rank r+1 first, as every other exchange here
-                dest = (rank + step) % world
-                peer = tl.load(partial_peers + dest).to(tl.pointer_type(out.dtype.element_ty))
-                tl.store(peer + rank * slab + offsets, part, mask=mask)
-                peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
-                signal_add(peer_flags + rank * tiles + t, 1)
-        if REDUCE:
-            tl.debug_barrier()                       # this program's stores to its own slot, before its loads
-            total, failed = sum_peer_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), partials, slab, offsets, mask,
-                                           flags, tiles, t, rank, world, timeout_ns, status, state + pid, failed,
-                                           TAG_AR_TILE, True)
-            tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
+            slot = partials if owner == rank else peer_address(partial_peers, owner, dtype)
+            tl.store(slot + rank * slab + offsets, acc.to(dtype), mask=mask)
+            if owner != rank:
+                signal_add(tl.load(flag_peers + owner).to(tl.pointer_type(tl.int64)) + rank * tiles + t, 1)
+        if REDUCE and (step >= 1) and (step <= mine):
+            owner = (pid + step - 1) % world
+            if owner == rank:
+                t = pid + (step - 1) * programs
+                _, _, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                tl.debug_barrier()               # this program's store to its own slot, before its loads
+                total, failed = sum_peer_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), partials, slab, offsets,
+                                               mask, flags, tiles, t, rank, world, timeout_ns, status, state + pid,
+                                               failed, TAG_AR_TILE, True)
+                result = total.to(dtype)
+                tl.store(out + offsets, result, mask=mask)
+                if failed == 0:                  # a rank that timed out sends nothing: its peers time out too
+                    for hop in range(1, world):
+                        peer = peer_address(partial_peers, (rank + hop) % world, dtype)
+                        tl.store(peer + rank * slab + offsets, result, mask=mask)
+                    ranks = tl.arange(0, WORLD_PAD)
+                    signal_add_to(flag_peers, rank * tiles + t, (ranks < world) & (ranks != rank), 1, WORLD_PAD)
+        if GATHER and step >= 2:
+            owner = (pid + step - 2) % world
+            if owner != rank:
+                t = pid + (step - 2) * programs
+                _, _, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                if failed == 0:
+                    landed = wait_until_ge(flags + owner * tiles + t, 1, timeout_ns, status, owner, TAG_AR_TILE,
+                                           state + pid)
+                    failed = tl.where(landed, 0, 1)
+                tl.store(out + offsets, tl.load(partials + owner * slab + offsets, mask=mask), mask=mask)

@@ -24,7 +24,7 @@ its order of summation is NCCL's).
 import triton
 import triton.language as tl
 
-from ..shmem import signal_add
+from ..shmem import peer_address, signal_add
 from .matmul import gemm_tile, sum_peer_tiles, tile_coords
 from .status import TAG_RS_TILE
 
@@ -64,7 +64,7 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         offsets = offs_m[:, None] * N + offs_n[None, :]        # inside one [rows, N] slab: 32 bits
         mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
         if dest != rank:
-            peer = tl.load(partial_peers + dest).to(tl.pointer_type(out.dtype.element_ty))
+            peer = peer_address(partial_peers, dest, out.dtype.element_ty)
             tl.store(peer + rank * slab + offsets, part, mask=mask)
             peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
             signal_add(peer_flags + rank * per_shard + t, 1)

@@ -45,9 +45,10 @@ What gemm_rs and gemm_ar sum are the ranks' partials a @ w, rounded to the dtype
 them in the dtype, as NCCL does, rounding after each addition (the same result for two ranks).
 
 ``gemm_ar`` (row-parallel without sequence parallelism: decode) has two paths: "never", cuBLAS then
-an NCCL all-reduce, and "fused", one persistent Triton GEMM that pushes each finished tile to every
-peer and sums each tile once every peer's copy has landed (``moe_ep.kernels.gemm_ar``), for
-M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked" means "never" for it.
+an NCCL all-reduce, and "fused", one persistent Triton GEMM that sends each finished tile to the rank
+that owns it, which sums the tile once every peer's copy has landed and sends the sum back to all
+(``moe_ep.kernels.gemm_ar``), for M <= max_rows / W (it uses the reduce-scatter's buffers). "chunked"
+means "never" for it.
 
 The ops are differentiable (``autograd``): the input gradient of each of the first two is
 the other op, on the same object and paths; gemm_ar's is local.
@@ -371,5 +372,5 @@ class AsyncTP(runtime.CommObject):
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = fused_tile_config(m, n, a.element_size())
         self.launches.reset("tile_flags", self.world * self.launches.ar_tiles(m, n, config))
-        self.launches.gemm_ar(a, w, out, config, publish=True, reduce=True)
+        self.launches.gemm_ar(a, w, out, config)
         return out

@@ -37,13 +37,13 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
                  (+ one elementwise pass over the W partials for gemm_rs)
 
     link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
-    [M, N] through NCCL's ring, and all W-1 peers' [M, N] partials for the fused one-shot kernel.
+    [M, N], through NCCL's ring as through the fused kernel's two shots (the tiles it owns, then their sums).
     """
     gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
     row_bytes = (k if op == "ag_gemm" else n) * element_size
     link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
     if op == "gemm_ar":
-        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, world * link) + OVERHEAD_US}
+        return {"never": gemm + 2 * link, "fused": max(gemm / TRITON_SPEED, 2 * link) + OVERHEAD_US}
     reduce = (world + 1) * m // world * n * element_size / (HBM_GBPS * 1e3) if op == "gemm_rs" else 0.0
     return {"never": gemm + link, "fused": max(gemm / TRITON_SPEED, link) + OVERHEAD_US,
             "chunked": gemm + max(0.0, link - gemm / world) + reduce + OVERHEAD_US}

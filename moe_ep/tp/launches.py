@@ -46,7 +46,8 @@ class Launches:
             gemm_rs_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
                                  flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
             gemm_ar_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
-                                 flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits)}
+                                 flags=buffers.tile_flags, flag_peers=peers["tile_flags"],
+                                 WORLD_PAD=next_power_of_2(config.world), **waits)}
         for fixed in self._fixed.values():
             fixed.update(rank=config.rank, world=config.world)
         self._wait = {name: BoundKernel(wait_flag_kernel, 1, ("index", "peer"), flags=getattr(buffers, name), TAG=tag,
@@ -87,13 +88,14 @@ class Launches:
         self._kernel(gemm_rs_kernel, tiles, config, k, w, tma)(a, w, out, m // world, n, k, step_begin, step_end,
                                                                 a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
-    def gemm_ar(self, a, w, out, config: dict, publish: bool, reduce: bool) -> None:
-        """The GEMM all-reduce kernel into out [M, N]: each tile's publishing half, reducing half, or both
-        (the GPU)."""
+    def gemm_ar(self, a, w, out, config: dict, publish: bool = True, reduce: bool = True,
+                gather: bool = True) -> None:
+        """The GEMM all-reduce kernel into out [M, N]: the walks over its tiles that the flags pick (all
+        three on the GPU: ``gemm_ar_kernel``)."""
         (m, k), n = a.shape, w.shape[1]
         tma, descriptors = self._loads(a, w, config)
         kernel = self._kernel(gemm_ar_kernel, self.ar_tiles(m, n, config), config, k, w, tma, PUBLISH=publish,
-                              REDUCE=reduce)
+                              REDUCE=reduce, GATHER=gather)
         kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
