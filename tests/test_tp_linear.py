@@ -342,6 +342,10 @@ def test_cost_model():
 def test_candidates_of_the_measured_choice():
     assert candidate_paths("ag_gemm", 4, 128, 128, world=2) == ["never"]      # overhead rules overlap out
     assert candidate_paths("ag_gemm", 16384, 8192, 4096, world=2) == ["chunked", "fused", "never"]
+    # a decode step's row-parallel GEMM (16 rows, 235 MB of weights) streams its weights for about 80 us, which
+    # hides the fused path's overhead: it is timed (its FLOPs alone, 5 us, left it out untimed)
+    assert predicted_us("gemm_ar", 16, 14336, 8192, world=2)["never"] > 75
+    assert candidate_paths("gemm_ar", 16, 14336, 8192, world=2) == ["never", "fused"]
 
 
 def _measured_choice_agrees_and_is_cached(rank, world):

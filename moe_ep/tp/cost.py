@@ -12,6 +12,9 @@ from .. import collectives
 # Cost model of overlap="auto" (H200, 2 GPUs over NVLink): it orders the paths and rules out the
 # hopeless ones; the choice itself is measured (``autotune``) and decided by measured_choice.
 CUBLAS_TFLOPS = 750.0     # dense bf16 GEMM
+GEMM_GBPS = 3000.0        # bytes per second a GEMM reads and writes where that, not its FLOPs, bounds it (a few
+                          # rows against large weights: cuBLAS streamed 2.6-3.0 TB/s of weights on an H200 at
+                          # K = 8192 and M <= 128, benchmarks/NOTES.md "The tile loop at small M")
 TRITON_SPEED = 0.85       # the persistent Triton GEMM's speed relative to cuBLAS
 LINK_GBPS = 350.0         # bytes a GPU receives per second over NVLink, per direction
 HBM_GBPS = 3500.0         # bytes per second of an elementwise pass (reads + writes)
@@ -32,6 +35,7 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
     it is all-reduced, which has no chunked path).
 
         never    gemm + link                           one after the other
+                 (gemm: its FLOPs at CUBLAS_TFLOPS or its operands' bytes at GEMM_GBPS, the longer)
         fused    max(gemm / TRITON_SPEED, link)        the slower of the two hides the other
         chunked  gemm + max(0, link - gemm / W)        the first shard's GEMM hides the transfers
                  (+ one elementwise pass over the W partials for gemm_rs)
@@ -39,7 +43,7 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
     link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
     [M, N], through NCCL's ring as through the fused kernel's two shots (the tiles it owns, then their sums).
     """
-    gemm = 2 * m * k * n / (CUBLAS_TFLOPS * 1e6)
+    gemm = max(2 * m * k * n / (CUBLAS_TFLOPS * 1e6), (m * k + k * n + m * n) * element_size / (GEMM_GBPS * 1e3))
     row_bytes = (k if op == "ag_gemm" else n) * element_size
     link = (world - 1) / world * m * row_bytes / (LINK_GBPS * 1e3)
     if op == "gemm_ar":
