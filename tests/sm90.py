@@ -26,15 +26,18 @@ def triton_type(value) -> str:
     return "i64" if abs(value) >= 2**31 else "i32"
 
 
-def compile_for_sm90(fn, types: dict, constants: dict, **options) -> None:
-    """Compile the @triton.jit `fn` to a cubin for sm_90 with the compile `options` (num_warps, ...).
-    `constants`: the value of each constexpr argument, and of any other argument held constant (None for a
-    descriptor a variant does not take); `types`: the signature type of each other argument ("*bf16",
-    "tensordesc<bf16[64, 128]>", ...), "i32" where it names none."""
+def compile_for_sm90(fn, types: dict, constants: dict, aligned: tuple[str, ...] = (), **options):
+    """Compile the @triton.jit `fn` to a cubin for sm_90 with the compile `options` (num_warps, ...); the compiled
+    kernel (its PTX: ``.asm["ptx"]``). `constants`: the value of each constexpr argument, and of any other argument
+    held constant (None for a descriptor a variant does not take); `types`: the signature type of each other
+    argument ("*bf16", "tensordesc<bf16[64, 128]>", ...), "i32" where it names none; `aligned`: the arguments a
+    launch would find divisible by 16 (pointers 16-byte aligned, sizes and strides multiples of 16), as Triton's
+    launcher marks them."""
     signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else types.get(p.name, "i32")
                  for p in fn.params}
     constants = {(i,): constants[p.name] for i, p in enumerate(fn.params) if p.name in constants}
-    triton.compile(ASTSource(fn, signature, constants), target=SM90, options=options)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in aligned}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=SM90, options=options)
 
 
 def run_without_interpreter(script: str, timeout: int) -> str:

@@ -24,6 +24,7 @@ from cases import llama_mlp
 from distributed import gpu_worlds, refused_on_rank_0, run
 from moe_ep import AsyncTP, CommTimeoutError, TPMLP, reference
 from moe_ep.collectives import all_reduce, reduce_scatter_tensor
+from moe_ep.kernels.matmul import fused_tile_config
 from moe_ep.tp.cost import candidate_paths
 
 pytestmark = pytest.mark.gpu
@@ -240,6 +241,27 @@ def _graphs_replay_fresh_inputs(rank, world):
     auto.destroy()
 
 
+def _gemm_ar_pipeline(rank, world):
+    """The fused GEMM all-reduce where every program has several tiles (448 tiles of a decode step's
+    [128, 28672] output for at most 132 programs), so that its pipeline's steps overlap: publish, reduce and
+    gather of different tiles in one step, owners rotating along a program's tiles. Three calls on fresh
+    inputs, each against the reference and the same on every rank bit for bit."""
+    fp32_reductions()
+    rows, k, n = 128, 256, 28672
+    tp = AsyncTP(world * rows, n, overlap="fused")
+    for call in range(3):
+        a, w = operands(rank, world, rows, k, n, torch.bfloat16, True, seed=40 + call)
+        out = tp.gemm_ar(a, w)
+        expect("gemm_ar", out, a, w, lambda m: f"fused gemm_ar, call {call}: {m}")
+        every = out.new_empty((world * rows, n))
+        reference.all_gather_into_tensor(every, out)
+        assert all(torch.equal(o, out) for o in every.view(world, rows, n)), "fused gemm_ar: the ranks' sums differ"
+    tiles = tp.launches.ar_tiles(rows, n, fused_tile_config(rows, n, 2))
+    assert tiles > 3 * tp.launches.programs, f"{tiles} tiles for {tp.launches.programs} programs"
+    tp.check()
+    tp.destroy()
+
+
 def _timeout_raises(rank, world):
     tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=0.5)
     a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=3)
@@ -338,8 +360,8 @@ def test_kernels_match_reference(path, world):
     run(_kernels_match_reference, world, path, gpu=True)
 
 
-@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _graphs_replay_fresh_inputs, _timeout_raises,
-                                  _mlp_matches_unsharded],
+@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _graphs_replay_fresh_inputs, _gemm_ar_pipeline,
+                                  _timeout_raises, _mlp_matches_unsharded],
                          ids=lambda f: f.__name__.strip("_"))
 @gpu_worlds
 def test_async_tp(body, world):

@@ -3,8 +3,9 @@
 Each simulated rank is an AsyncTP whose "symmetric" buffers are plain CPU tensors; its peer
 views are the other ranks' tensors. A call is run in phases across the ranks, in an order that
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
-then every rank's pushes (all-gather) or sends (reduce-scatter, all-reduce), then every rank's
-GEMM or own tiles (reductions). Both overlapped paths run: "fused" (the persistent Triton GEMMs,
+then every rank's pushes (all-gather) or sends (reduce-scatter), then every rank's GEMM or own tiles
+(reductions); the all-reduce's pipeline one step at a time on every rank, so that a step waiting for
+what a peer sends at that step or later times out here. Both overlapped paths run: "fused" (the persistent Triton GEMMs,
 with each tile loop of FUSED_VARIANTS: pointer loads and tensor descriptors) and "chunked" (one
 GEMM per shard, the bounded wait kernel and the reduction kernel between them).
 Results are compared with torch in float64; the kernels sum in fp32.
@@ -149,16 +150,18 @@ def test_partials_that_never_land_time_out():
         ranks[0].check()
 
 
-def run_gemm_ar(ranks, a, ws):
+def run_gemm_ar(ranks, a, ws, outs=None):
+    """The fused GEMM all-reduce of every rank in `ranks` (a, ws, outs: theirs, in order), its pipeline run step by
+    step: each step on every rank before the next, so a wait for what a peer sends at a later step times out."""
     m, n = a[0].shape[0], ws[0].shape[1]
     config = fused_tile_config(m, n, a[0].element_size())
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
-    outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
-    for walk in ("publish", "reduce", "gather"):         # every partial sent to its owner, then the owners'
-        for r, tp in enumerate(ranks):                   # sums, which wait for them, then the copies of the sums
-            tp.launches.gemm_ar(a[r], ws[r], outs[r], config, **{flag: flag == walk for flag in
-                                                                 ("publish", "reduce", "gather")})
+    outs = outs or [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
+    launches = ranks[0].launches
+    for step in range(launches.ar_steps(launches.ar_tiles(m, n, config))):
+        for r, tp in enumerate(ranks):
+            tp.launches.gemm_ar(a[r], ws[r], outs[r], config, step, step + 1)
     return outs
 
 
@@ -206,16 +209,12 @@ def test_a_sum_that_times_out_is_not_sent():
     that lacks rank 2's partial."""
     ranks = simulated_group(3, 12, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    config = fused_tile_config(4, 8, 4)
-    for tp in ranks:
-        tp.buffers.tile_flags.zero_()
-    for walk in ("publish", "reduce", "gather"):
-        for tp in ranks[:2]:
-            tp.launches.gemm_ar(a, w, torch.empty(4, 8), config,
-                                **{flag: flag == walk for flag in ("publish", "reduce", "gather")})
-    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 2"):
+    run_gemm_ar(ranks[:2], [a, a], [w, w])
+    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce \(waiting for a peer's partials\) .* "
+                                               r"waiting for rank 2"):
         ranks[0].check()
-    with pytest.raises(CommTimeoutError, match=r"rank 1: GEMM all-reduce .* waiting for rank 0"):
+    with pytest.raises(CommTimeoutError, match=r"rank 1: GEMM all-reduce \(waiting for a tile's sum from the rank "
+                                               r"that owns it\) .* waiting for rank 0"):
         ranks[1].check()
 
 
@@ -242,10 +241,13 @@ def test_tile_loop_must_be_one_the_fused_kernels_run():
 
 
 COMPILE_GEMM_AR = r"""
+import re
 from moe_ep.kernels.gemm_ar import gemm_ar_kernel
 from moe_ep.kernels.matmul import fused_tile_config
 from sm90 import compile_for_sm90
 
+aligned = ("a", "w", "out", "partials", "partial_peers", "flags", "flag_peers", "state", "N", "K", "stride_am",
+           "stride_wn")                        # what a call with weight.t() of a layer passes
 for rows in (128, 512):                        # matmul_small_m's tiles, the tile loop's
     config = fused_tile_config(rows, 28672, 2)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
@@ -254,17 +256,20 @@ for rows in (128, 512):                        # matmul_small_m's tiles, the til
                        else {})
         types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*bf16", partial_peers="*i64", flags="*i64",
                      flag_peers="*i64", state="*i64", status_addr="i64", timeout_ns="i64", **descriptors)
-        constants = dict(EVEN_K=True, PUBLISH=True, REDUCE=True, GATHER=True, TMA=tma, W_KMAJOR=True, WORLD_PAD=4,
+        constants = dict(EVEN_K=True, TMA=tma, W_KMAJOR=True, WORLD_PAD=4, stride_wk=1,
                          **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")},
                          **({} if tma else dict(a_desc=None, w_desc=None)))
-        compile_for_sm90(gemm_ar_kernel, types, constants, num_warps=config["num_warps"],
-                         num_stages=config["num_stages"])
-        print(rows, "tma" if tma else "pointer")
+        kernel = compile_for_sm90(gemm_ar_kernel, types, constants, aligned, num_warps=config["num_warps"],
+                                  num_stages=config["num_stages"])
+        stores = sorted(set(re.findall(r"st\.global\.[a-z0-9.]+", kernel.asm["ptx"])))
+        print(rows, "tma" if tma else "pointer", *stores)
 """
 
 
 def test_gemm_all_reduce_compiles_for_sm90():
-    """gemm_ar_kernel, all three walks in one launch as the GPU runs it, compiles to a cubin for sm_90 (Triton's
-    PTX and ptxas, outside the interpreter) with both tile shapes and both ways of loading."""
+    """gemm_ar_kernel compiles to a cubin for sm_90 (Triton's PTX and ptxas, outside the interpreter) with both
+    tile shapes and both ways of loading, and stores its tiles 16 bytes at a time, through the peers' addresses
+    too (``shmem.peer_address``): the only narrower stores are the 4-byte words of a timeout report."""
     lines = run_without_interpreter(COMPILE_GEMM_AR, timeout=600).splitlines()
-    assert lines == ["128 pointer", "128 tma", "512 pointer", "512 tma"]
+    assert lines == [f"{rows} {loop} st.global.b32 st.global.v4.b32" for rows in (128, 512)
+                     for loop in ("pointer", "tma")]

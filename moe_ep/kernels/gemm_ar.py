@@ -4,8 +4,9 @@
     (a row-parallel layer without sequence parallelism: decode, where M is small)
 
 One persistent kernel, two-shot: each tile of the output has an owner rank, which sums it and hands
-the sum to the others (a reduce-scatter, then an all-gather, tile by tile). A GPU sends 2(W-1)/W of
-[M, N] over NVLink, where a one-shot exchange (every rank sums every tile) sends (W-1) of it.
+the sum to the others (a reduce-scatter, then an all-gather, tile by tile). With the tiles spread
+evenly over the owners (at least W of them), a GPU sends 2(W-1)/W of [M, N] over NVLink, where a
+one-shot exchange (every rank sums every tile) sends W-1 of it.
 
 A tile goes through three steps, on every rank in the program with the same id:
 
@@ -19,23 +20,24 @@ A tile goes through three steps, on every rank in the program with the same id:
              `partials` into `out`.
 
 A program walks its tiles in a pipeline: at step i it publishes its tile i, reduces tile i - 1 and
-gathers tile i - 2. What a step waits for was sent one step earlier by the peers (whose GEMM of the
-next tile has hidden the transfer), and only the last tiles' sums and copies follow the last GEMM;
-three walks one after the other left all of the reduce's and the gather's latency after it (2 x H100,
-M = 128: 22 and 14 us of the kernel's 147). Owners rotate along each program's tiles, (program + i)
-mod W, so that every program does its share of the sums.
+gathers tile i - 2, so that what a step waits for was sent a step earlier, while the peers computed
+their next tile, and only the last tiles' sums and copies follow the last GEMM (three walks one after
+the other left all of the reduce's and the gather's latency after it; benchmarks/NOTES.md). A program
+with one tile (tiles <= programs) has nothing to hide them behind. Owners rotate along each program's
+tiles, (program + i) mod W, so that every program does its share of the sums.
 
 The owner's sum reaches every rank bit for bit (a replicated activation must not drift apart across
 ranks). Slot s of a rank's `partials` holds, tile by tile, either rank s's partial (tiles this rank owns)
 or rank s's sum (tiles rank s owns): no tile's slot is written twice, and flag (s, tile) announces it.
 
-Deadlock: every wait of step i is for something a peer's program sends at its step i - 1 before its own
-waits of that step (publish before reduce before gather), so by induction on i every wait ends while
-every program is resident (the grid is at most the SM count).
+Deadlock: the waits of step i are for what peers' programs with the same id send at their step i - 1
+(a publish, which waits for nothing, or a sum, whose own waits are for the publishes of step i - 2); by
+induction on i every wait ends while every program is resident (the grid is at most the SM count).
 
-PUBLISH, REDUCE and GATHER select the steps; on the GPU all three run in one launch. The CPU tests run
-every rank's publish, then every rank's reduce, then every rank's gather (the interpreter runs programs
-one after the other, and a wait for a tile not yet published would spin until its timeout).
+A launch runs the steps [step_begin, step_end) of every program; on the GPU that is all of them in one
+launch. The CPU tests run each step on every rank before the next (the interpreter runs programs one after
+the other, and a wait for something a peer sends later in the same launch would spin until its timeout),
+so a schedule whose waits needed a step not yet run times out there.
 
 Reference: ``moe_ep.reference.gemm_ar`` (the same partials, rounded the same way, summed in fp32).
 """
@@ -43,27 +45,15 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add, signal_add_to, wait_until_ge
-from .matmul import gemm_tile, sum_peer_tiles, tile_coords
-from .status import TAG_AR_TILE
+from .matmul import gemm_tile, sum_peer_tiles, tile_place
+from .status import TAG_AR_SUM, TAG_AR_TILE
 
 
-
-@triton.jit
-def tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile t's (pid_m, pid_n), its elements' offsets inside one [M, N] slab (32 bits) and their mask."""
-    pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    return pid_m, pid_n, offs_m[:, None] * N + offs_n[None, :], mask
-
-
-@triton.jit(do_not_specialize=["M", "rank", "world", "programs"])
+@triton.jit(do_not_specialize=["M", "rank", "world", "step_begin", "step_end", "programs"])
 def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
-                   M, N, K, rank, world, timeout_ns, stride_am, stride_wk, stride_wn, programs,
+                   M, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am, stride_wk, stride_wn, programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, PUBLISH: tl.constexpr, REDUCE: tl.constexpr, GATHER: tl.constexpr,
-                   TMA: tl.constexpr, W_KMAJOR: tl.constexpr, WORLD_PAD: tl.constexpr):
+                   EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, WORLD_PAD: tl.constexpr):
     """a [M, K] (row stride stride_am); w [K, N] (any strides); out [M, N]; partials [world, M, N]
     in out's dtype and flags [world, tiles] int64 are symmetric, partial_peers / flag_peers [world]
     int64 hold every rank's address of them; state [programs] int64 clock words; status int32[5].
@@ -78,8 +68,8 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
     slab = M.to(tl.int64) * N                    # elements of one [M, N] partial
     dtype = out.dtype.element_ty
     failed = 0
-    for step in range(0, mine + 2):
-        if PUBLISH and step < mine:
+    for step in range(step_begin, tl.minimum(step_end, mine + 2)):
+        if step < mine:                          # publish tile `step`
             t = pid + step * programs
             owner = (pid + step) % world
             pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -89,7 +79,7 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             tl.store(slot + rank * slab + offsets, acc.to(dtype), mask=mask)
             if owner != rank:
                 signal_add(tl.load(flag_peers + owner).to(tl.pointer_type(tl.int64)) + rank * tiles + t, 1)
-        if REDUCE and (step >= 1) and (step <= mine):
+        if (step >= 1) & (step <= mine):         # reduce tile step - 1, where this rank owns it
             owner = (pid + step - 1) % world
             if owner == rank:
                 t = pid + (step - 1) * programs
@@ -100,19 +90,19 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
                                                failed, TAG_AR_TILE, True)
                 result = total.to(dtype)
                 tl.store(out + offsets, result, mask=mask)
-                if failed == 0:                  # a rank that timed out sends nothing: its peers time out too
+                if failed == 0:                  # a program whose wait timed out sends nothing: the peers' time out
                     for hop in range(1, world):
                         peer = peer_address(partial_peers, (rank + hop) % world, dtype)
                         tl.store(peer + rank * slab + offsets, result, mask=mask)
                     ranks = tl.arange(0, WORLD_PAD)
                     signal_add_to(flag_peers, rank * tiles + t, (ranks < world) & (ranks != rank), 1, WORLD_PAD)
-        if GATHER and step >= 2:
+        if step >= 2:                            # gather tile step - 2, where another rank owns it
             owner = (pid + step - 2) % world
             if owner != rank:
                 t = pid + (step - 2) * programs
                 _, _, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
                 if failed == 0:
-                    landed = wait_until_ge(flags + owner * tiles + t, 1, timeout_ns, status, owner, TAG_AR_TILE,
+                    landed = wait_until_ge(flags + owner * tiles + t, 1, timeout_ns, status, owner, TAG_AR_SUM,
                                            state + pid)
                     failed = tl.where(landed, 0, 1)
                 tl.store(out + offsets, tl.load(partials + owner * slab + offsets, mask=mask), mask=mask)

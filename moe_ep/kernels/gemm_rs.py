@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add
-from .matmul import gemm_tile, sum_peer_tiles, tile_coords
+from .matmul import gemm_tile, sum_peer_tiles, tile_place
 from .status import TAG_RS_TILE
 
 
@@ -55,14 +55,10 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         step = tile // per_shard
         t = tile - step * per_shard
         dest = (rank + 1 + step) % world
-        pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, rows, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = gemm_tile(a + dest.to(tl.int64) * rows * stride_am, stride_am, a_desc, dest * rows, w, stride_wk,
                         stride_wn, w_desc, pid_m, pid_n, rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
         part = acc.to(out.dtype.element_ty)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offsets = offs_m[:, None] * N + offs_n[None, :]        # inside one [rows, N] slab: 32 bits
-        mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
         if dest != rank:
             peer = peer_address(partial_peers, dest, out.dtype.element_ty)
             tl.store(peer + rank * slab + offsets, part, mask=mask)

@@ -61,6 +61,17 @@ def tile_coords(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_place(t, tiles_m, tiles_n, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile t's (pid_m, pid_n) (``tile_coords``), its elements' offsets inside one [rows, N] slab (32 bits) and
+    their mask: where the fused kernels store a tile, and load it back."""
+    pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+    return pid_m, pid_n, offs_m[:, None] * N + offs_n[None, :], mask
+
+
+@triton.jit
 def matmul_tile(a, stride_am, b, stride_bk, stride_bn, pid_m, pid_n, rows, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] tile (pid_m, pid_n) of a[:rows, :K] @ b[:K, :N] (``matmul_slice`` over all of K)."""

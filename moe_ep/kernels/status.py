@@ -28,6 +28,7 @@ TAG_COMBINE_ARRIVAL = _wait("combine (waiting for the expert rank's rows)")
 TAG_AG_SHARD = _wait("all-gather GEMM (waiting for a peer's shard)")
 TAG_RS_TILE = _wait("GEMM reduce-scatter (waiting for a peer's partials)")
 TAG_AR_TILE = _wait("GEMM all-reduce (waiting for a peer's partials)")
+TAG_AR_SUM = _wait("GEMM all-reduce (waiting for a tile's sum from the rank that owns it)")
 TAG_TP_BARRIER = _wait("async-TP call's barrier (waiting for a peer to begin the call)")
 
 # EP: after the timeout report, the first out-of-range expert id a dispatch saw (its call number, 0 = none;

@@ -71,7 +71,8 @@ class TPBuffers:
     gathered: torch.Tensor     # [M * F] dtype: ag_gemm's A as [M, K], rank s's shard at rows s*M/W...; peers push
     shard_flags: torch.Tensor  # [W] i64: ag_gemm: 1 once rank s's shard has landed in `gathered`
     partials: torch.Tensor     # [M * F] dtype: gemm_rs: [W, M/W, N], rank s's partial rows for this rank;
-                               # gemm_ar: [W, M', N], rank s's whole partial (M' <= M/W)
+                               # gemm_ar: [W, M', N] (M' <= M/W), slot s tile by tile rank s's partial (tiles
+                               # this rank owns) or its sum (tiles rank s owns)
     tile_flags: torch.Tensor   # [W * T] i64: gemm_rs / gemm_ar: [W, tiles], 1 once rank s's tile t has landed
                                # (the chunked gemm_rs: [W], once all of rank s's partial rows have)
     arrivals: torch.Tensor     # [W] i64: the calls rank s has begun (each call's barrier counts them, bounded)

@@ -41,7 +41,8 @@ def predicted_us(op: str, m: int, k: int, n: int, world: int, element_size: int 
                  (+ one elementwise pass over the W partials for gemm_rs)
 
     link is what a GPU receives: (W-1)/W of the gathered or scattered rows; for gemm_ar 2(W-1)/W of
-    [M, N], through NCCL's ring as through the fused kernel's two shots (the tiles it owns, then their sums).
+    [M, N], through NCCL's ring as through the fused kernel's two shots (the peers' partials of the tiles it
+    owns, then the sums of the others' tiles).
     """
     gemm = max(2 * m * k * n / (CUBLAS_TFLOPS * 1e6), (m * k + k * n + m * n) * element_size / (GEMM_GBPS * 1e3))
     row_bytes = (k if op == "ag_gemm" else n) * element_size

@@ -28,7 +28,8 @@ DESCRIPTORS = {ag_gemm_kernel: ("a_desc", "gathered_desc", "w_desc"), gemm_rs_ke
 VARYING = {ag_gemm_kernel: ("a_local", "w", "out", "rows", "N", "K", "stride_wk", "stride_wn"),
            gemm_rs_kernel: ("a", "w", "out", "rows", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
                             "stride_wn"),
-           gemm_ar_kernel: ("a", "w", "out", "M", "N", "K", "stride_am", "stride_wk", "stride_wn")}
+           gemm_ar_kernel: ("a", "w", "out", "M", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
+                            "stride_wn")}
 
 
 class Launches:
@@ -88,15 +89,16 @@ class Launches:
         self._kernel(gemm_rs_kernel, tiles, config, k, w, tma)(a, w, out, m // world, n, k, step_begin, step_end,
                                                                 a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
-    def gemm_ar(self, a, w, out, config: dict, publish: bool = True, reduce: bool = True,
-                gather: bool = True) -> None:
-        """The GEMM all-reduce kernel into out [M, N]: the walks over its tiles that the flags pick (all
-        three on the GPU: ``gemm_ar_kernel``)."""
+    def gemm_ar(self, a, w, out, config: dict, step_begin: int = 0, step_end: int | None = None) -> None:
+        """The GEMM all-reduce kernel into out [M, N] over steps [step_begin, step_end) of its pipeline (None:
+        to the end; all of them on the GPU: ``gemm_ar_kernel``)."""
         (m, k), n = a.shape, w.shape[1]
         tma, descriptors = self._loads(a, w, config)
-        kernel = self._kernel(gemm_ar_kernel, self.ar_tiles(m, n, config), config, k, w, tma, PUBLISH=publish,
-                              REDUCE=reduce, GATHER=gather)
-        kernel(a, w, out, m, n, k, a.stride(0), w.stride(0), w.stride(1), *descriptors)
+        tiles = self.ar_tiles(m, n, config)
+        if step_end is None:
+            step_end = self.ar_steps(tiles)
+        kernel = self._kernel(gemm_ar_kernel, tiles, config, k, w, tma)
+        kernel(a, w, out, m, n, k, step_begin, step_end, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
         return cdiv(m // self.config.world, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
@@ -104,20 +106,23 @@ class Launches:
     def ar_tiles(self, m: int, n: int, config: dict) -> int:
         return cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
-    def _kernel(self, fn, tiles: int, config: dict, k: int, w: torch.Tensor, tma: bool, **flags) -> BoundKernel:
+    def ar_steps(self, tiles: int) -> int:
+        """The steps of gemm_ar_kernel's pipeline over `tiles` tiles: its programs' most tiles, plus two."""
+        return cdiv(tiles, min(self.programs, tiles)) + 2
+
+    def _kernel(self, fn, tiles: int, config: dict, k: int, w: torch.Tensor, tma: bool) -> BoundKernel:
         """`fn` bound for this call's grid (tiles, at most `programs`), tile shapes, loads (tma: through
-        descriptors, ``matmul.loads_through_descriptors``) and flags."""
+        descriptors, ``matmul.loads_through_descriptors``)."""
         programs = min(self.programs, tiles)
         kmajor = tma and weight_rows(w)[1]
         even_k = k % config["BLOCK_K"] == 0
-        key = (fn, programs, even_k, tma, kmajor, *config.values(), *flags.values())
+        key = (fn, programs, even_k, tma, kmajor, *config.values())
         kernel = self.bound.get(key)
         if kernel is None:
             descriptors = DESCRIPTORS[fn]
             kernel = self.bound[key] = BoundKernel(
                 fn, programs, VARYING[fn] + (descriptors if tma else ()), programs=programs, EVEN_K=even_k, TMA=tma,
-                W_KMAJOR=kmajor, **({} if tma else dict.fromkeys(descriptors)), **config, **flags,
-                **self._fixed[fn])
+                W_KMAJOR=kmajor, **({} if tma else dict.fromkeys(descriptors)), **config, **self._fixed[fn])
         return kernel
 
     def _loads(self, a: torch.Tensor, w: torch.Tensor, config: dict) -> tuple[bool, tuple]:
