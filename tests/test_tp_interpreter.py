@@ -5,9 +5,9 @@ views are the other ranks' tensors. A call is run in phases across the ranks, in
 never leaves a wait spinning: the flag resets (what each call's barrier kernel does on the GPU),
 then every rank's pushes (all-gather) or sends (reduce-scatter), then every rank's GEMM or own tiles
 (reductions); the all-reduce's pipeline one step at a time on every rank, so that a step waiting for
-what a peer sends at that step or later times out here. Both overlapped paths run: "fused" (the persistent Triton GEMMs,
-with each tile loop of FUSED_VARIANTS: pointer loads and tensor descriptors) and "chunked" (one
-GEMM per shard, the bounded wait kernel and the reduction kernel between them).
+what a peer sends at that step or later times out here. Both overlapped paths run: "fused" (the
+persistent Triton GEMMs, with each tile loop of FUSED_VARIANTS: pointer loads and tensor descriptors)
+and "chunked" (one GEMM per shard, the bounded wait kernel and the reduction kernel between them).
 Results are compared with torch in float64; the kernels sum in fp32.
 """
 import os
@@ -150,14 +150,14 @@ def test_partials_that_never_land_time_out():
         ranks[0].check()
 
 
-def run_gemm_ar(ranks, a, ws, outs=None):
-    """The fused GEMM all-reduce of every rank in `ranks` (a, ws, outs: theirs, in order), its pipeline run step by
+def run_gemm_ar(ranks, a, ws):
+    """The fused GEMM all-reduce of every rank in `ranks` (a, ws: theirs, in order), its pipeline run step by
     step: each step on every rank before the next, so a wait for what a peer sends at a later step times out."""
     m, n = a[0].shape[0], ws[0].shape[1]
     config = fused_tile_config(m, n, a[0].element_size())
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
-    outs = outs or [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
+    outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     launches = ranks[0].launches
     for step in range(launches.ar_steps(launches.ar_tiles(m, n, config))):
         for r, tp in enumerate(ranks):

@@ -90,7 +90,7 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
                                                failed, TAG_AR_TILE, True)
                 result = total.to(dtype)
                 tl.store(out + offsets, result, mask=mask)
-                if failed == 0:                  # a program whose wait timed out sends nothing: the peers' time out
+                if failed == 0:                  # a program whose wait timed out sends nothing: its peers time out
                     for hop in range(1, world):
                         peer = peer_address(partial_peers, (rank + hop) % world, dtype)
                         tl.store(peer + rank * slab + offsets, result, mask=mask)
