@@ -83,6 +83,13 @@ def expect(op, out, a, w, what, expected=None):
     close(out, expected, bound(expected, s, a.shape[1], a.dtype, t), what)
 
 
+def same_on_every_rank(out: torch.Tensor) -> bool:
+    """Whether every rank holds `out` bit for bit (collective)."""
+    every = out.new_empty((dist.get_world_size() * out.shape[0], *out.shape[1:]))
+    reference.all_gather_into_tensor(every, out)
+    return all(torch.equal(o, out) for o in every.view(-1, *out.shape))
+
+
 def _kernels_match_reference(rank, world, path):
     fp32_reductions()
     for dtype in (torch.bfloat16, torch.float16):
@@ -103,10 +110,7 @@ def _kernels_match_reference(rank, world, path):
                 out = tp.gemm_ar(a, w)           # M = rows: within max_rows / W, where "fused" runs the kernel
                 expect("gemm_ar", out, a, w, lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
                 if path == "fused":              # the kernel sums in the same order on every rank
-                    every = out.new_empty((world * out.shape[0], *out.shape[1:]))
-                    reference.all_gather_into_tensor(every, out)
-                    assert all(torch.equal(o, out) for o in every.view(world, *out.shape)), \
-                        "fused gemm_ar: the ranks' sums differ"
+                    assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
         tp.check()
         tp.destroy()
 
@@ -253,9 +257,7 @@ def _gemm_ar_pipeline(rank, world):
         a, w = operands(rank, world, rows, k, n, torch.bfloat16, True, seed=40 + call)
         out = tp.gemm_ar(a, w)
         expect("gemm_ar", out, a, w, lambda m: f"fused gemm_ar, call {call}: {m}")
-        every = out.new_empty((world * rows, n))
-        reference.all_gather_into_tensor(every, out)
-        assert all(torch.equal(o, out) for o in every.view(world, rows, n)), "fused gemm_ar: the ranks' sums differ"
+        assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
     tiles = tp.launches.ar_tiles(rows, n, fused_tile_config(rows, n, 2))
     assert tiles > 3 * tp.launches.programs, f"{tiles} tiles for {tp.launches.programs} programs"
     tp.check()

@@ -78,7 +78,7 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
             slot = partials if owner == rank else peer_address(partial_peers, owner, dtype)
             tl.store(slot + rank * slab + offsets, acc.to(dtype), mask=mask)
             if owner != rank:
-                signal_add(tl.load(flag_peers + owner).to(tl.pointer_type(tl.int64)) + rank * tiles + t, 1)
+                signal_add(peer_address(flag_peers, owner, tl.int64) + rank * tiles + t, 1)
         if (step >= 1) & (step <= mine):         # reduce tile step - 1, where this rank owns it
             owner = (pid + step - 1) % world
             if owner == rank:

@@ -62,8 +62,7 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
         if dest != rank:
             peer = peer_address(partial_peers, dest, out.dtype.element_ty)
             tl.store(peer + rank * slab + offsets, part, mask=mask)
-            peer_flags = tl.load(flag_peers + dest).to(tl.pointer_type(tl.int64))
-            signal_add(peer_flags + rank * per_shard + t, 1)
+            signal_add(peer_address(flag_peers, dest, tl.int64) + rank * per_shard + t, 1)
         else:
             total, failed = sum_peer_tiles(part.to(tl.float32), partials, slab, offsets, mask, flags, per_shard, t,
                                            rank, world, timeout_ns, status, state + pid, failed, TAG_RS_TILE, False)

@@ -108,12 +108,16 @@ class Launches:
 
     def ar_steps(self, tiles: int) -> int:
         """The steps of gemm_ar_kernel's pipeline over `tiles` tiles: its programs' most tiles, plus two."""
-        return cdiv(tiles, min(self.programs, tiles)) + 2
+        return cdiv(tiles, self.grid(tiles)) + 2
+
+    def grid(self, tiles: int) -> int:
+        """The programs of a fused GEMM over `tiles` tiles: one a tile, at most `programs`."""
+        return min(self.programs, tiles)
 
     def _kernel(self, fn, tiles: int, config: dict, k: int, w: torch.Tensor, tma: bool) -> BoundKernel:
         """`fn` bound for this call's grid (tiles, at most `programs`), tile shapes, loads (tma: through
         descriptors, ``matmul.loads_through_descriptors``)."""
-        programs = min(self.programs, tiles)
+        programs = self.grid(tiles)
         kmajor = tma and weight_rows(w)[1]
         even_k = k % config["BLOCK_K"] == 0
         key = (fn, programs, even_k, tma, kmajor, *config.values())
