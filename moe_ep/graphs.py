@@ -3,11 +3,15 @@
 At decode sizes an eager MoE forward's time is its host time: on the GPU machines the Python around the
 experts' three launches takes two to five times their GPU time, and the all-to-all's around its two as much
 again (benchmarks/NOTES.md). Launches whose operands stay where they are (a layer's weights, its
-all-to-all's buffers, a forward's inputs copied into buffers of its own) and whose work follows what those
-operands hold (counts read on the GPU) can be captured once and replayed at every later call:
+all-to-all's buffers) or are tensors laid out alike at every call (a forward's inputs and output, whose
+addresses a call writes into the graph's kernels) and whose work follows what those operands hold (counts
+read on the GPU) can be captured once and replayed at every later call:
 
     replay = Replay(launch, [((P, 2 * I), torch.bfloat16), ((E, R, H), torch.bfloat16)], device, stream)
     gate_up, out = replay()          # launch(gate_up, out) as captured, on what its operands hold now
+
+    replay = Replay(launch, made, device, stream, operands=(x, y))
+    replay(x2, y2)                   # launch(x2, y2, *buffers): the same kernels, pointed at x2 and y2
 
 What the launches write lives in the `Scratch` of the device and the stream the graph was captured for:
 one allocation, as large as the largest set of buffers asked of it (at most MAX_BYTES: larger sets are not
@@ -21,6 +25,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+
+from . import kernel_nodes
 
 ALIGN = 256          # bytes: each buffer of a Scratch starts at a multiple (TMA descriptors need 16)
 # The most one Scratch holds: launches whose buffers take more are launched, not replayed. The experts' buffers
@@ -82,11 +88,12 @@ def current_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
-def capture(launch: Callable, *args) -> torch.cuda.CUDAGraph:
-    """launch(*args) recorded, not run, into a CUDA graph, on a side stream after the current stream's work.
-    The launches must allocate nothing and be compiled already (run once before: a capture records launches,
+def capture(launch: Callable, *args, keep_graph: bool = False) -> torch.cuda.CUDAGraph:
+    """launch(*args) recorded, not run, into a CUDA graph, on a side stream after the current stream's work,
+    and instantiated (keep_graph: the graph kept beside its executable one, for ``kernel_nodes``). The
+    launches must allocate nothing and be compiled already (run once before: a capture records launches,
     it cannot load a module for one)."""
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -96,25 +103,38 @@ def capture(launch: Callable, *args) -> torch.cuda.CUDAGraph:
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
+    if keep_graph:
+        graph.instantiate()
     return graph
 
 
 class Replay:
-    """launch(*buffers) captured for `device` (the current one) and `stream` (the raw handle of its current
-    stream), its buffers (`made`: (shape, dtype) each) carved from that stream's Scratch; a call
-    replays it on the current stream, which must be `stream`, and returns the buffers."""
+    """launch(*operands, *buffers) captured for `device` (the current one) and `stream` (the raw handle of its
+    current stream), its buffers (`made`: (shape, dtype) each) carved from that stream's Scratch; a call
+    replays it on the current stream, which must be `stream`, and returns the buffers.
 
-    def __init__(self, launch: Callable, made: Sequence[tuple], device: torch.device, stream: int):
+    `operands` (none by default) are tensors of the caller's that the launches read or write: a call passes
+    tensors laid out like them in their place (``kernel_nodes.aligned`` too), at whose addresses the graph's
+    kernels are pointed before the replay (``kernel_nodes.MovedPointers``: no copy, no launch). ValueError at
+    construction where the graph's kernels cannot be pointed elsewhere."""
+
+    def __init__(self, launch: Callable, made: Sequence[tuple], device: torch.device, stream: int,
+                 operands: Sequence[torch.Tensor] = ()):
+        if operands and kernel_nodes.unavailable():
+            raise ValueError(f"no graph's kernels can be pointed elsewhere here ({kernel_nodes.unavailable()})")
         self.key = (device, stream)
         self.scratch = Scratch.of(*self.key, Scratch.size(made))
         self.buffers = self.scratch.views(made)
-        self.graph = capture(launch, *self.buffers)
+        self.graph = capture(launch, *operands, *self.buffers, keep_graph=bool(operands))
+        self.moved = kernel_nodes.MovedPointers(self.graph, operands) if operands else None
 
     @property
     def current(self) -> bool:
         """Whether its Scratch is still its stream's (a larger one replaces it): only then may it replay."""
         return _SCRATCH.get(self.key) is self.scratch
 
-    def __call__(self) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.moved is not None:
+            self.moved.point_at(operands)
         self.graph.replay()
         return self.buffers

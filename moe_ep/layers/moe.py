@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import graphs, runtime
+from .. import graphs, kernel_nodes, runtime
 from ..ep import EPAllToAll, check_config
 from ..graphs import Replay, Scratch
 from ..kernels.grouped_gemm import ACTIVATIONS, DECODE_ROWS, WEIGHT_BLOCK, GatedMLP, gated_mlp
@@ -205,8 +205,8 @@ class EPMoE(nn.Module):
         the stream, the ids' and weights' dtypes and the experts' weights; None where the forward launches
         (replay off, elastic, the reference backend, more tokens than the all-to-all's ``one_launch_tokens``,
         inside a caller's capture, or a dispatch that would not pass its checks as it is: the launch's checks
-        then say what is wrong). Above ``one_launch_tokens`` the GPU's work hides the launches' host time, and
-        the copies in and out only add to it: at 4 ranks and 2048 tokens the whole replay took 37-52 us more
+        then say what is wrong). Above ``one_launch_tokens`` the GPU's work hides the launches' host time: at 4
+        ranks and 2048 tokens the whole replay (its inputs and output then copied in and out) took 37-52 us more
         than launching with the experts replayed, at 128 tokens 26-88 us less (benchmarks/NOTES.md)."""
         if not self.replay or self.elastic or self.backend != "nvshmem" or tokens.shape[0] > ep.one_launch_tokens \
                 or graphs.capturing(tokens.is_cuda):
@@ -344,52 +344,48 @@ class _Planned:
 class _Forward:
     """The eager forwards of one ``EPMoE._forward_key`` (a token count, a pair of the all-to-all's slots, a
     stream): the plan of the experts that ran at the first, which launched; from the second on, the dispatch,
-    those experts and the combine captured as one CUDA graph (moe_ep.graphs.Replay), its buffers carved from the
-    stream's scratch: the experts' (as their own graph's), then the tokens, ids and weights the dispatch reads,
-    then the combine's output. A call copies the forward's tokens, ids and weights in, replays and returns a
-    copy of the output (the scratch is shared: the next replay on the stream writes over it); None where the
-    forward must launch (the buffers pass graphs.MAX_BYTES, or a capture failed: with a warning, once). Captured
-    again when its stream's scratch was replaced by a larger one."""
+    those experts and the combine captured as one CUDA graph (moe_ep.graphs.Replay) on the forward's tokens,
+    ids, weights and output, the experts' buffers carved from the stream's scratch as their own graph's. A
+    call points the graph's kernels at its own tokens, ids and weights and at a new output, and replays: no
+    copy in or out, and one launch, the graph's (each launch is host time before the GPU starts, 15-25 us on
+    the GPU machines: benchmarks/NOTES.md). None where the forward must launch: operands not 16-byte aligned
+    (the graph's kernels were compiled for aligned ones), the experts' buffers past graphs.MAX_BYTES, or a
+    graph that could not be captured or pointed elsewhere (with a warning, once). Captured again when its
+    stream's scratch was replaced by a larger one."""
 
     def __init__(self, plan: _Planned):
         self.plan = plan
         self.graph: Replay | bool | None = None      # None: not captured yet; False: launch
-        self.staged: list[torch.Tensor] = []         # the graph's tokens, ids and weights, as bytes
 
     def __call__(self, ep: EPAllToAll, tokens, topk_ids, topk_weights) -> torch.Tensor | None:
-        graph, inputs = self.graph, (tokens, topk_ids, topk_weights)
-        if graph is False:
+        graph = self.graph
+        if graph is False or not kernel_nodes.aligned((tokens, topk_ids, topk_weights)):
             return None
+        operands = (tokens, topk_ids, topk_weights, torch.empty_like(tokens))
         if graph is None or not graph.current:
-            graph = self.graph = self._capture(ep, inputs)     # the capture counts the calls it records
+            graph = self.graph = self._capture(ep, operands)    # the capture counts the calls it records
             if not graph:
                 return None
-            self.staged = [b.view(torch.uint8) for b in graph.buffers[-4:-1]]
         else:
             ep.replayed()
-        # The three copies as one launch: as bytes alike, torch's foreach copy takes its one-kernel path (each
-        # launch is host time before the graph's, 15-25 us on the GPU machines: benchmarks/NOTES.md).
-        torch._foreach_copy_(self.staged, [t.view(torch.uint8) for t in inputs])
-        graph()
-        return graph.buffers[-1].clone()
+        graph(*operands)
+        return operands[-1]
 
-    def _capture(self, ep: EPAllToAll, inputs) -> Replay | bool:
-        tokens, mlp = inputs[0], self.plan.mlp
-        made = (*mlp.made, *((t.shape, t.dtype) for t in inputs), (tokens.shape, tokens.dtype))
-        if Scratch.size(made) > graphs.MAX_BYTES:
+    def _capture(self, ep: EPAllToAll, operands) -> Replay | bool:
+        mlp = self.plan.mlp
+        if Scratch.size(mlp.made) > graphs.MAX_BYTES:
             return False
 
-        def launch(*buffers):
-            *experts, x, ids, weights, out = buffers
+        def launch(x, ids, weights, out, *experts):
             *_, handle = ep.dispatch(x, ids, weights)       # into the slot's buffers, which the plan was made on
             ep.combine(mlp.launch(*experts), handle, out=out)
 
         calls = ep.calls
         try:
-            return Replay(launch, made, tokens.device, graphs.current_stream(tokens.device))
-        except RuntimeError as e:    # as _Planned's; the calls the capture counted never ran
+            return Replay(launch, mlp.made, operands[0].device, graphs.current_stream(operands[0].device), operands)
+        except (RuntimeError, ValueError) as e:    # as _Planned's; the calls the capture counted never ran
             ep.rewind(calls)
-            _not_captured(f"the CUDA graph of a forward of {tokens.shape[0]} tokens", e,
+            _not_captured(f"the CUDA graph of a forward of {operands[0].shape[0]} tokens", e,
                           "those forwards launch on this stream")
             return False
 
