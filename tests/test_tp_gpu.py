@@ -245,11 +245,13 @@ def _graphs_replay_fresh_inputs(rank, world):
     auto.destroy()
 
 
-def _gemm_ar_pipeline(rank, world):
-    """The fused GEMM all-reduce where every program has several tiles (448 tiles of a decode step's
-    [128, 28672] output for at most 132 programs), so that its pipeline's steps overlap: publish, reduce and
-    gather of different tiles in one step, owners rotating along a program's tiles. Three calls on fresh
-    inputs, each against the reference and the same on every rank bit for bit."""
+def _pipelines(rank, world):
+    """The fused GEMM all-reduce and the fused reduce-scatter over all rows where every program has several
+    tiles (448 tiles of a decode step's [128, 28672] output for at most 132 programs), so that their
+    pipelines' steps overlap: publish, sum (and the all-reduce's gather) of different tiles in one step, the
+    all-reduce's owners rotating along a program's tiles, the reduce-scatter's tiles each holding several
+    ranks' rows. Three calls of each on fresh inputs against the reference; the all-reduce's sum the same on
+    every rank bit for bit."""
     fp32_reductions()
     rows, k, n = 128, 256, 28672
     tp = AsyncTP(world * rows, n, overlap="fused")
@@ -258,7 +260,10 @@ def _gemm_ar_pipeline(rank, world):
         out = tp.gemm_ar(a, w)
         expect("gemm_ar", out, a, w, lambda m: f"fused gemm_ar, call {call}: {m}")
         assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
-    tiles = tp.launches.ar_tiles(rows, n, fused_tile_config(rows, n, 2))
+        expect("gemm_rs", tp.gemm_rs(a, w), a, w, lambda m: f"fused gemm_rs over all rows, call {call}: {m}")
+    config = tp.launches.rs_rows(rows, n, 2)
+    assert config == fused_tile_config(rows, n, 2), "M = 128 is a decode step's: the reduce-scatter over all rows"
+    tiles = tp.launches.all_rows_tiles(rows, n, config)
     assert tiles > 3 * tp.launches.programs, f"{tiles} tiles for {tp.launches.programs} programs"
     tp.check()
     tp.destroy()
@@ -362,7 +367,7 @@ def test_kernels_match_reference(path, world):
     run(_kernels_match_reference, world, path, gpu=True)
 
 
-@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _graphs_replay_fresh_inputs, _gemm_ar_pipeline,
+@pytest.mark.parametrize("body", [_repeated_calls_and_the_fallback, _graphs_replay_fresh_inputs, _pipelines,
                                   _timeout_raises, _mlp_matches_unsharded],
                          ids=lambda f: f.__name__.strip("_"))
 @gpu_worlds

@@ -86,11 +86,21 @@ RS_CASES = [
 
 
 def run_gemm_rs(ranks, a, ws, path):
+    """The GEMM reduce-scatter of `path` on every rank: the fused kernel over all M rows (where its tiles are
+    taller than a rank's rows) one pipeline step at a time on every rank, or the per-rank-rows kernel (fused)
+    and the chunked path's sends then every rank's own rows."""
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
+    launches = ranks[0].launches
+    all_rows = launches.rs_rows(m, n, a[0].element_size())
     config = fused_tile_config(m // world, n, a[0].element_size())
     for tp in ranks:
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
+    if path == "fused" and all_rows is not None:
+        for step in range(launches.steps(launches.all_rows_tiles(m, n, all_rows), 1)):
+            for r, tp in enumerate(ranks):
+                tp.launches.gemm_rs_rows(a[r], ws[r], outs[r], all_rows, step, step + 1)
+        return outs
     for r, tp in enumerate(ranks):                       # every partial bound for a peer
         if path == "fused":
             tp.launches.gemm_rs(a[r], ws[r], outs[r], config, 0, world - 1)
@@ -150,6 +160,19 @@ def test_partials_that_never_land_time_out():
         ranks[0].check()
 
 
+def test_rows_that_never_land_time_out():
+    """The reduce-scatter over all M rows (a tile taller than a rank's rows): rank 1 never sends its rows of
+    the tiles, and rank 0's sum of its own rows times out naming rank 1."""
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    config = ranks[0].launches.rs_rows(8, 8, 4)
+    assert config is not None
+    ranks[0].buffers.tile_flags.zero_()
+    ranks[0].launches.gemm_rs_rows(a, w, torch.empty(4, 8), config)
+    with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
+        ranks[0].check()
+
+
 def run_gemm_ar(ranks, a, ws):
     """The fused GEMM all-reduce of every rank in `ranks` (a, ws: theirs, in order), its pipeline run step by
     step: each step on every rank before the next, so a wait for what a peer sends at a later step times out."""
@@ -159,7 +182,7 @@ def run_gemm_ar(ranks, a, ws):
         tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     launches = ranks[0].launches
-    for step in range(launches.ar_steps(launches.ar_tiles(m, n, config))):
+    for step in range(launches.steps(launches.all_rows_tiles(m, n, config), 2)):
         for r, tp in enumerate(ranks):
             tp.launches.gemm_ar(a[r], ws[r], outs[r], config, step, step + 1)
     return outs
@@ -240,9 +263,10 @@ def test_tile_loop_must_be_one_the_fused_kernels_run():
         simulated_group(2, 8, 16, torch.float32, tile_loop="tma_flat")   # matmul's alone: its loop has no waits
 
 
-COMPILE_GEMM_AR = r"""
+COMPILE_PIPELINED = r"""
 import re
 from moe_ep.kernels.gemm_ar import gemm_ar_kernel
+from moe_ep.kernels.gemm_rs import gemm_rs_rows_kernel
 from moe_ep.kernels.matmul import fused_tile_config
 from sm90 import compile_for_sm90
 
@@ -256,20 +280,22 @@ for rows in (128, 512):                        # matmul_small_m's tiles, the til
                        else {})
         types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*bf16", partial_peers="*i64", flags="*i64",
                      flag_peers="*i64", state="*i64", status_addr="i64", timeout_ns="i64", **descriptors)
-        constants = dict(EVEN_K=True, TMA=tma, W_KMAJOR=True, WORLD_PAD=4, stride_wk=1,
+        constants = dict(EVEN_K=True, TMA=tma, W_KMAJOR=True, stride_wk=1,
                          **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")},
                          **({} if tma else dict(a_desc=None, w_desc=None)))
-        kernel = compile_for_sm90(gemm_ar_kernel, types, constants, aligned, num_warps=config["num_warps"],
-                                  num_stages=config["num_stages"])
-        stores = sorted(set(re.findall(r"st\.global\.[a-z0-9.]+", kernel.asm["ptx"])))
-        print(rows, "tma" if tma else "pointer", *stores)
+        for kernel, extra in ((gemm_ar_kernel, dict(WORLD_PAD=4)), (gemm_rs_rows_kernel, {})):
+            compiled = compile_for_sm90(kernel, types, {**constants, **extra}, aligned,
+                                        num_warps=config["num_warps"], num_stages=config["num_stages"])
+            stores = sorted(set(re.findall(r"st\.global\.[a-z0-9.]+", compiled.asm["ptx"])))
+            print(kernel.fn.__name__, rows, "tma" if tma else "pointer", *stores)
 """
 
 
-def test_gemm_all_reduce_compiles_for_sm90():
-    """gemm_ar_kernel compiles to a cubin for sm_90 (Triton's PTX and ptxas, outside the interpreter) with both
-    tile shapes and both ways of loading, and stores its tiles 16 bytes at a time, through the peers' addresses
-    too (``shmem.peer_address``): the only narrower stores are the 4-byte words of a timeout report."""
-    lines = run_without_interpreter(COMPILE_GEMM_AR, timeout=600).splitlines()
-    assert lines == [f"{rows} {loop} st.global.b32 st.global.v4.b32" for rows in (128, 512)
-                     for loop in ("pointer", "tma")]
+def test_pipelined_kernels_compile_for_sm90():
+    """gemm_ar_kernel and gemm_rs_rows_kernel compile to cubins for sm_90 (Triton's PTX and ptxas, outside the
+    interpreter) with both tile shapes and both ways of loading, and store their tiles 16 bytes at a time,
+    through the peers' addresses too (``shmem.peer_address``): the only narrower stores are the 4-byte words
+    of a timeout report."""
+    lines = run_without_interpreter(COMPILE_PIPELINED, timeout=900).splitlines()
+    assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.v4.b32" for rows in (128, 512)
+                     for loop in ("pointer", "tma") for name in ("gemm_ar_kernel", "gemm_rs_rows_kernel")]

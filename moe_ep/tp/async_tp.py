@@ -334,6 +334,11 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m // self.world, n), dtype=self.dtype, device=self.device)
         if path == "fused":
+            config = self.launches.rs_rows(m, n, a.element_size())
+            if config is not None:          # small M: tiles over all rows, the weights read once
+                self.launches.reset("tile_flags", self.world * self.launches.all_rows_tiles(m, n, config))
+                self.launches.gemm_rs_rows(a, w, out, config)
+                return out
             config = fused_tile_config(m // self.world, n, a.element_size())
             self.launches.reset("tile_flags", self.world * self.launches.rs_tiles(m, n, config))
             self.launches.gemm_rs(a, w, out, config, 0, self.world)
@@ -371,6 +376,6 @@ class AsyncTP(runtime.CommObject):
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         config = fused_tile_config(m, n, a.element_size())
-        self.launches.reset("tile_flags", self.world * self.launches.ar_tiles(m, n, config))
+        self.launches.reset("tile_flags", self.world * self.launches.all_rows_tiles(m, n, config))
         self.launches.gemm_ar(a, w, out, config)
         return out

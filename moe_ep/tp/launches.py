@@ -13,7 +13,7 @@ import torch
 
 from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
-from ..kernels.gemm_rs import gemm_rs_kernel, reduce_partials_kernel
+from ..kernels.gemm_rs import gemm_rs_kernel, gemm_rs_rows_kernel, reduce_partials_kernel
 from ..kernels.matmul import (descriptor, fused_tile_config, loads_through_descriptors, operand_descriptors,
                               reset_and_barrier_kernel, wait_flag_kernel, weight_rows)
 from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
@@ -23,13 +23,14 @@ from .config import TPBuffers, TPConfig
 REDUCE_BLOCK = 4096       # elements per program of the chunked reduce-scatter's sum: 8 warps, 16 a thread
 RESET_BLOCK = 1024        # flags zeroed per step of the reset kernel's loop
 DESCRIPTORS = {ag_gemm_kernel: ("a_desc", "gathered_desc", "w_desc"), gemm_rs_kernel: ("a_desc", "w_desc"),
-               gemm_ar_kernel: ("a_desc", "w_desc")}
+               gemm_rs_rows_kernel: ("a_desc", "w_desc"), gemm_ar_kernel: ("a_desc", "w_desc")}
 # what a call of each fused kernel passes (with TMA, the descriptors too)
 VARYING = {ag_gemm_kernel: ("a_local", "w", "out", "rows", "N", "K", "stride_wk", "stride_wn"),
            gemm_rs_kernel: ("a", "w", "out", "rows", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
                             "stride_wn"),
            gemm_ar_kernel: ("a", "w", "out", "M", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
                             "stride_wn")}
+VARYING[gemm_rs_rows_kernel] = VARYING[gemm_ar_kernel]
 
 
 class Launches:
@@ -46,6 +47,8 @@ class Launches:
             ag_gemm_kernel: dict(gathered=buffers.gathered, flags=buffers.shard_flags, **waits),
             gemm_rs_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
                                  flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
+            gemm_rs_rows_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
+                                      flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
             gemm_ar_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
                                  flags=buffers.tile_flags, flag_peers=peers["tile_flags"],
                                  WORLD_PAD=next_power_of_2(config.world), **waits)}
@@ -89,26 +92,47 @@ class Launches:
         self._kernel(gemm_rs_kernel, tiles, config, k, w, tma)(a, w, out, m // world, n, k, step_begin, step_end,
                                                                 a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
+    def gemm_rs_rows(self, a, w, out, config: dict, step_begin: int = 0, step_end: int | None = None) -> None:
+        """The GEMM reduce-scatter kernel with tiles over all M rows (``rs_rows``' tiles) into out [M/W, N] over
+        steps [step_begin, step_end) of its pipeline (None: to the end; all of them on the GPU:
+        ``gemm_rs_rows_kernel``)."""
+        self._pipelined(gemm_rs_rows_kernel, a, w, out, config, step_begin, step_end, 1)
+
     def gemm_ar(self, a, w, out, config: dict, step_begin: int = 0, step_end: int | None = None) -> None:
         """The GEMM all-reduce kernel into out [M, N] over steps [step_begin, step_end) of its pipeline (None:
         to the end; all of them on the GPU: ``gemm_ar_kernel``)."""
+        self._pipelined(gemm_ar_kernel, a, w, out, config, step_begin, step_end, 2)
+
+    def _pipelined(self, fn, a, w, out, config: dict, step_begin: int, step_end: int | None, trailing: int) -> None:
+        """A pipelined kernel over all M rows (gemm_ar's, gemm_rs_rows'), steps [step_begin, step_end)."""
         (m, k), n = a.shape, w.shape[1]
         tma, descriptors = self._loads(a, w, config)
-        tiles = self.ar_tiles(m, n, config)
+        tiles = self.all_rows_tiles(m, n, config)
         if step_end is None:
-            step_end = self.ar_steps(tiles)
-        kernel = self._kernel(gemm_ar_kernel, tiles, config, k, w, tma)
+            step_end = self.steps(tiles, trailing)
+        kernel = self._kernel(fn, tiles, config, k, w, tma)
         kernel(a, w, out, m, n, k, step_begin, step_end, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
+    def rs_rows(self, m: int, n: int, element_size: int) -> dict | None:
+        """The tiles of gemm_rs over all M rows (``gemm_rs_rows``): fused_tile_config's for M rows, where a
+        tile is taller than a rank's M / W rows (tiles over one rank's rows would read the weights once per
+        rank) and their flags fit in tile_flags; None where gemm_rs takes tiles over each rank's rows."""
+        config, world = fused_tile_config(m, n, element_size), self.config.world
+        flags = world * self.all_rows_tiles(m, n, config)
+        return config if config["BLOCK_M"] > m // world and flags <= self.buffers.tile_flags.numel() else None
+
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
+        """The tiles of one rank's M / W rows of gemm_rs' [M, N] (``gemm_rs``)."""
         return cdiv(m // self.config.world, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
-    def ar_tiles(self, m: int, n: int, config: dict) -> int:
+    def all_rows_tiles(self, m: int, n: int, config: dict) -> int:
+        """The tiles of [M, N] (gemm_ar's, gemm_rs_rows')."""
         return cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
-    def ar_steps(self, tiles: int) -> int:
-        """The steps of gemm_ar_kernel's pipeline over `tiles` tiles: its programs' most tiles, plus two."""
-        return cdiv(tiles, self.grid(tiles)) + 2
+    def steps(self, tiles: int, trailing: int) -> int:
+        """The steps of a pipeline over `tiles` tiles: its programs' most tiles, plus `trailing` (gemm_ar: 2,
+        its sums and gathers; gemm_rs_rows: 1, its sums)."""
+        return cdiv(tiles, self.grid(tiles)) + trailing
 
     def grid(self, tiles: int) -> int:
         """The programs of a fused GEMM over `tiles` tiles: one a tile, at most `programs`."""
