@@ -93,14 +93,14 @@ def run_gemm_rs(ranks, a, ws, path):
     launches = ranks[0].launches
     all_rows = launches.rs_rows(m, n, a[0].element_size())
     config = fused_tile_config(m // world, n, a[0].element_size())
-    for tp in ranks:
-        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
-    if path == "fused" and all_rows is not None:
-        for step in range(launches.steps(launches.all_rows_tiles(m, n, all_rows), 1)):
+    if path == "fused" and all_rows is not None:      # its barrier in the kernel: no reset
+        for step in range(launches.steps(launches.all_rows_tiles(m, n, all_rows), 2)):
             for r, tp in enumerate(ranks):
                 tp.launches.gemm_rs_rows(a[r], ws[r], outs[r], all_rows, step, step + 1)
         return outs
+    for tp in ranks:
+        tp.buffers.tile_flags.zero_()
     for r, tp in enumerate(ranks):                       # every partial bound for a peer
         if path == "fused":
             tp.launches.gemm_rs(a[r], ws[r], outs[r], config, 0, world - 1)
@@ -161,13 +161,14 @@ def test_partials_that_never_land_time_out():
 
 
 def test_rows_that_never_land_time_out():
-    """The reduce-scatter over all M rows (a tile taller than a rank's rows): rank 1 never sends its rows of
-    the tiles, and rank 0's sum of its own rows times out naming rank 1."""
+    """The reduce-scatter over all M rows (a tile taller than a rank's rows): rank 1 begins the call (its
+    barrier's arrival, step 0) but never sends its rows of the tiles, and rank 0's sum of its own rows times
+    out naming rank 1."""
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
     config = ranks[0].launches.rs_rows(8, 8, 4)
     assert config is not None
-    ranks[0].buffers.tile_flags.zero_()
+    ranks[1].launches.gemm_rs_rows(a, w, torch.empty(4, 8), config, 0, 1)
     ranks[0].launches.gemm_rs_rows(a, w, torch.empty(4, 8), config)
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM reduce-scatter .* waiting for rank 1"):
         ranks[0].check()
@@ -178,11 +179,9 @@ def run_gemm_ar(ranks, a, ws):
     step: each step on every rank before the next, so a wait for what a peer sends at a later step times out."""
     m, n = a[0].shape[0], ws[0].shape[1]
     config = fused_tile_config(m, n, a[0].element_size())
-    for tp in ranks:
-        tp.buffers.tile_flags.zero_()
     outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     launches = ranks[0].launches
-    for step in range(launches.steps(launches.all_rows_tiles(m, n, config), 2)):
+    for step in range(launches.steps(launches.all_rows_tiles(m, n, config), 3)):
         for r, tp in enumerate(ranks):
             tp.launches.gemm_ar(a[r], ws[r], outs[r], config, step, step + 1)
     return outs
@@ -219,19 +218,20 @@ def test_gemm_all_reduce(case, tile_loop):
 def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    ranks[0].buffers.tile_flags.zero_()
     config = fused_tile_config(4, 8, 4)
-    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config)   # rank 1 idle
+    ranks[1].launches.gemm_ar(a, w, torch.empty(4, 8), config, 0, 1)   # rank 1 begins the call, then idles
+    ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config)
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
         ranks[0].check()
 
 
 def test_a_sum_that_times_out_is_not_sent():
-    """Three ranks, one tile, owned by rank 0; rank 2 never runs. Rank 0's sum times out naming rank 2 and
-    sends nothing, so rank 1, waiting for that sum, times out too (naming rank 0) rather than copy a sum
-    that lacks rank 2's partial."""
+    """Three ranks, one tile, owned by rank 0; rank 2 begins the call (its barrier's arrival) and does no
+    more. Rank 0's sum times out naming rank 2 and sends nothing, so rank 1, waiting for that sum, times out
+    too (naming rank 0) rather than copy a sum that lacks rank 2's partial."""
     ranks = simulated_group(3, 12, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
+    ranks[2].launches.gemm_ar(a, w, torch.empty(4, 8), fused_tile_config(4, 8, 4), 0, 1)   # its arrival only
     run_gemm_ar(ranks[:2], [a, a], [w, w])
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce \(waiting for a peer's partials\) .* "
                                                r"waiting for rank 2"):
@@ -258,6 +258,45 @@ def test_the_barrier_waits_for_every_rank_to_begin_the_call():
         assert tp.buffers.shard_flags.tolist() == [0, 0] and tp.buffers.arrivals.tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("op", ["gemm_ar", "gemm_rs_rows"])
+def test_a_pipelined_kernel_s_barrier_waits_for_every_rank(op):
+    """The pipelined kernels' barrier, per program inside the kernel: rank 0 alone times out in it naming
+    rank 1 and sends nothing into rank 1's buffers; rank 1's call, made late, passes the barrier (rank 0 had
+    arrived) and times out waiting for what rank 0 never sent; every program's call is counted once on both."""
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    config = ranks[0].launches.rs_rows(8, 8, 4) if op == "gemm_rs_rows" else fused_tile_config(8, 8, 4)
+    rows = 4 if op == "gemm_rs_rows" else 8
+    getattr(ranks[0].launches, op)(a, w, torch.empty(rows, 8), config)
+    with pytest.raises(CommTimeoutError, match=r"^rank 0: async-TP call's barrier \(waiting for a peer to begin the "
+                                               r"call\) timed out after 0.2s waiting for rank 1"):
+        ranks[0].check()
+    assert not ranks[1].buffers.tile_flags.any() and not ranks[1].buffers.partials.any()
+    getattr(ranks[1].launches, op)(a, w, torch.empty(rows, 8), config)
+    with pytest.raises(CommTimeoutError, match=r"^rank 1: GEMM .* waiting for rank 0"):
+        ranks[1].check()
+    programs = ranks[0].launches.grid(ranks[0].launches.all_rows_tiles(8, 8, config))
+    for tp in ranks:
+        assert tp.buffers.program_arrivals[:2 * programs].tolist() == [1] * (2 * programs)
+
+
+@pytest.mark.parametrize("op", ["gemm_ar", "gemm_rs_rows"])
+def test_a_pipelined_kernel_zeroes_its_flags_before_its_barrier(op):
+    """Flags left raised by an earlier call do not count for this one: both ranks begin the call (step 0:
+    the flags zeroed, the barrier's arrival), then rank 1 runs on alone and times out waiting for rank 0,
+    which sent nothing, instead of summing what the stale flags announce."""
+    ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    config = ranks[0].launches.rs_rows(8, 8, 4) if op == "gemm_rs_rows" else fused_tile_config(8, 8, 4)
+    out = torch.empty(4 if op == "gemm_rs_rows" else 8, 8)
+    for tp in ranks:
+        tp.buffers.tile_flags.fill_(1)
+        getattr(tp.launches, op)(a, w, out, config, 0, 1)
+    getattr(ranks[1].launches, op)(a, w, out, config, 1)
+    with pytest.raises(CommTimeoutError, match=r"^rank 1: GEMM .* waiting for rank 0"):
+        ranks[1].check()
+
+
 def test_tile_loop_must_be_one_the_fused_kernels_run():
     with pytest.raises(ValueError, match="tile_loop must be one of"):
         simulated_group(2, 8, 16, torch.float32, tile_loop="tma_flat")   # matmul's alone: its loop has no waits
@@ -270,8 +309,8 @@ from moe_ep.kernels.gemm_rs import gemm_rs_rows_kernel
 from moe_ep.kernels.matmul import fused_tile_config
 from sm90 import compile_for_sm90
 
-aligned = ("a", "w", "out", "partials", "partial_peers", "flags", "flag_peers", "state", "N", "K", "stride_am",
-           "stride_wn")                        # what a call with weight.t() of a layer passes
+aligned = ("a", "w", "out", "partials", "partial_peers", "flags", "flag_peers", "arrivals", "arrival_peers", "state",
+           "N", "K", "stride_am", "stride_wn")          # what a call with weight.t() of a layer passes
 for rows in (128, 512):                        # matmul_small_m's tiles, the tile loop's
     config = fused_tile_config(rows, 28672, 2)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
@@ -279,13 +318,14 @@ for rows in (128, 512):                        # matmul_small_m's tiles, the til
         descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
                        else {})
         types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*bf16", partial_peers="*i64", flags="*i64",
-                     flag_peers="*i64", state="*i64", status_addr="i64", timeout_ns="i64", **descriptors)
-        constants = dict(EVEN_K=True, TMA=tma, W_KMAJOR=True, stride_wk=1,
+                     flag_peers="*i64", arrivals="*i64", arrival_peers="*i64", state="*i64", status_addr="i64",
+                     timeout_ns="i64", **descriptors)
+        constants = dict(EVEN_K=True, TMA=tma, W_KMAJOR=True, WORLD_PAD=4, stride_wk=1,
                          **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")},
                          **({} if tma else dict(a_desc=None, w_desc=None)))
-        for kernel, extra in ((gemm_ar_kernel, dict(WORLD_PAD=4)), (gemm_rs_rows_kernel, {})):
-            compiled = compile_for_sm90(kernel, types, {**constants, **extra}, aligned,
-                                        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        for kernel in (gemm_ar_kernel, gemm_rs_rows_kernel):
+            compiled = compile_for_sm90(kernel, types, constants, aligned, num_warps=config["num_warps"],
+                                        num_stages=config["num_stages"])
             stores = sorted(set(re.findall(r"st\.global\.[a-z0-9.]+", compiled.asm["ptx"])))
             print(kernel.fn.__name__, rows, "tma" if tma else "pointer", *stores)
 """
@@ -295,7 +335,7 @@ def test_pipelined_kernels_compile_for_sm90():
     """gemm_ar_kernel and gemm_rs_rows_kernel compile to cubins for sm_90 (Triton's PTX and ptxas, outside the
     interpreter) with both tile shapes and both ways of loading, and store their tiles 16 bytes at a time,
     through the peers' addresses too (``shmem.peer_address``): the only narrower stores are the 4-byte words
-    of a timeout report."""
+    of a timeout report and the 8-byte zeros of the barrier's flags."""
     lines = run_without_interpreter(COMPILE_PIPELINED, timeout=900).splitlines()
-    assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.v4.b32" for rows in (128, 512)
+    assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.b64 st.global.v4.b32" for rows in (128, 512)
                      for loop in ("pointer", "tma") for name in ("gemm_ar_kernel", "gemm_rs_rows_kernel")]

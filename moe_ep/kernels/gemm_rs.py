@@ -19,11 +19,11 @@ At small M a shard's rows are fewer than a tile's (M = 128 at 4 ranks: 32 rows a
 small-M tiles take 128), and tiles over one shard read the weights once per shard: W times in all.
 ``gemm_rs_rows_kernel`` takes tiles over all M rows instead, reading the weights once, and stores each
 rank's rows of a tile into that rank's `partials[r]`. A program runs its tiles as a pipeline, as the
-GEMM all-reduce's: at step i it publishes tile i (every rank's rows of it, its own into its own slot)
-and sums its own rows of tile i - 1, whose peer rows were sent at the peers' step i - 1 while they
-computed tile i. Every wait of step i is for what a peer's program sends at its step i - 1 before
-that step's own wait, so by induction every wait ends while every program is resident. The sum
-takes the W slots in rank order.
+GEMM all-reduce's (its barrier too, per program, in the kernel): at step i + 1 it publishes tile i
+(every rank's rows of it, its own into its own slot) and sums its own rows of tile i - 1, whose peer
+rows were sent at the peers' step i while they computed tile i. Every wait of a step is for what a
+peer's program sends at its step before, before that step's own wait, so by induction every wait
+ends while every program is resident. The sum takes the W slots in rank order.
 
 ``reduce_partials_kernel`` is the last step of the chunked variant (``moe_ep.tp``), where
 cuBLAS computes the partials and the copy engine moves them: the same sums, in the same order.
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add
-from .matmul import gemm_tile, sum_peer_tiles, tile_place
+from .matmul import gemm_tile, program_arrives, program_barrier, sum_peer_tiles, tile_place
 from .status import TAG_RS_TILE
 
 
@@ -80,17 +80,20 @@ def gemm_rs_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state,
 
 
 @triton.jit(do_not_specialize=["M", "rank", "world", "step_begin", "step_end", "programs"])
-def gemm_rs_rows_kernel(a, w, out, partials, partial_peers, flags, flag_peers, state, status_addr, a_desc, w_desc,
-                        M, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am, stride_wk, stride_wn,
-                        programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+def gemm_rs_rows_kernel(a, w, out, partials, partial_peers, flags, flag_peers, arrivals, arrival_peers, state,
+                        status_addr, a_desc, w_desc, M, N, K, rank, world, step_begin, step_end, timeout_ns, stride_am,
+                        stride_wk, stride_wn, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                        W_KMAJOR: tl.constexpr, WORLD_PAD: tl.constexpr):
     """gemm_rs_kernel's result with tiles over all M rows of a [M, K] (row stride stride_am), whose rows may
     belong to several ranks; w [K, N] (any strides); out [M / world, N]; partials [world, M / world, N] in
-    out's dtype and flags [world, tiles] int64 (tiles: of [M, N]) are symmetric, partial_peers / flag_peers
-    [world] int64 hold every rank's address of them; state [programs] int64 clock words; status int32[5].
+    out's dtype, flags [world, tiles] int64 (tiles: of [M, N]) and arrivals [programs, world] int64 are
+    symmetric, partial_peers / flag_peers / arrival_peers [world] int64 hold every rank's address of them;
+    state [programs] int64 clock words; status int32[5].
 
-    The launch covers the steps [step_begin, step_end) of the pipeline (a program's tiles, plus one); on
-    the GPU that is all of them in one launch. TMA: a and w loaded through a_desc and w_desc."""
+    The launch covers the steps [step_begin, step_end) of the pipeline (the barrier's arrival, a program's
+    tiles, one more); on the GPU that is all of them in one launch. TMA: a and w loaded through a_desc and
+    w_desc. WORLD_PAD: world rounded up to a power of 2."""
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -101,22 +104,30 @@ def gemm_rs_rows_kernel(a, w, out, partials, partial_peers, flags, flag_peers, s
     slab = rows.to(tl.int64) * N                 # elements of one [rows, N] partial
     dtype = out.dtype.element_ty
     failed = 0
-    for step in range(step_begin, tl.minimum(step_end, mine + 1)):
-        if step < mine:                          # publish tile `step`: rank d's rows into slot `rank` of d's
-            t = pid + step * programs
+    for step in range(step_begin, tl.minimum(step_end, mine + 2)):
+        if step == 0:                            # the call's barrier, its first half (as gemm_ar_kernel's)
+            program_arrives(flags, tiles, mine, programs, arrivals, arrival_peers, rank, world, WORLD_PAD)
+        i = step - 1
+        if (i >= 0) & (i < mine):                # publish tile i: rank d's rows into slot `rank` of d's partials
+            t = pid + i * programs
             pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            part = acc.to(dtype)
-            owner = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) // rows
-            for dest in range(pid_m * BLOCK_M // rows, (tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1) // rows + 1):
-                slot = partials if dest == rank else peer_address(partial_peers, dest, dtype)
-                place = slot + rank * slab + offsets - dest * rows * N
-                tl.store(place, part, mask=mask & (owner == dest)[:, None])
-                if dest != rank:
-                    signal_add(peer_address(flag_peers, dest, tl.int64) + rank * tiles + t, 1)
-        if step >= 1:                            # sum this rank's rows of tile step - 1, if it has any
-            t = pid + (step - 1) * programs
+            if i == 0:                           # its second half, behind the first tile's GEMM
+                passed = program_barrier(arrivals, rank, world, timeout_ns, status, state + pid, WORLD_PAD)
+                failed = tl.where(passed, 0, 1)
+            if failed == 0:
+                part = acc.to(dtype)
+                owner = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) // rows
+                last = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1) // rows
+                for dest in range(pid_m * BLOCK_M // rows, last + 1):
+                    slot = partials if dest == rank else peer_address(partial_peers, dest, dtype)
+                    place = slot + rank * slab + offsets - dest * rows * N
+                    tl.store(place, part, mask=mask & (owner == dest)[:, None])
+                    if dest != rank:
+                        signal_add(peer_address(flag_peers, dest, tl.int64) + rank * tiles + t, 1)
+        if i >= 1:                               # sum this rank's rows of tile i - 1, if it has any
+            t = pid + (i - 1) * programs
             pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             first = pid_m * BLOCK_M
             if (first < rank * rows + rows) & (tl.minimum(first + BLOCK_M, M) > rank * rows):

@@ -167,6 +167,34 @@ def reset_and_barrier_kernel(flags, count, arrivals, arrival_peers, rank, world,
                 WORLD_PAD)
 
 
+@triton.jit
+def program_arrives(flags, tiles, mine, programs, arrivals, arrival_peers, rank, world, WORLD_PAD: tl.constexpr):
+    """The first half of a pipelined kernel's barrier, one per program (gemm_ar's, gemm_rs_rows'), in place of
+    reset_and_barrier_kernel's launch: zero this rank's flags of the program's tiles (flags [world, tiles]:
+    the program's `mine` tiles pid, pid + programs, ..., for every rank), then count the program's call in its
+    word of every rank's arrivals [programs, world] (release: after the zeros). Program p of every rank runs
+    the tiles of program p, and the grid depends on the call's shape only, so program p's calls are the same
+    on every rank: their counts agree, and no reset is needed. Its peers store into this rank's buffers only
+    after ``program_barrier``, so never before its zeros land, and never while its previous call (earlier on
+    this stream: the whole kernel ended) still reads them."""
+    pid = tl.program_id(0)
+    ranks = tl.arange(0, WORLD_PAD)
+    for i in range(0, mine):
+        tl.store(flags + ranks * tiles + pid + i * programs, tl.zeros((WORLD_PAD,), tl.int64), mask=ranks < world)
+    signal_add_to(arrival_peers, pid * world + rank, (ranks < world) & (ranks != rank), 1, WORLD_PAD)
+    tl.atomic_add(arrivals + pid * world + rank, 1, sem="relaxed", scope="cta")
+
+
+@triton.jit
+def program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD: tl.constexpr):
+    """The second half of ``program_arrives``' barrier, before the program's first store to a peer: wait until
+    every rank's program with this id has counted as many calls as this one (bounded; a timeout is reported
+    under TAG_TP_BARRIER). Returns True once they have."""
+    pid = tl.program_id(0)
+    call = tl.load(arrivals + pid * world + rank)
+    return wait_all_ge(arrivals + pid * world, world, call, timeout_ns, status, TAG_TP_BARRIER, state, WORLD_PAD)
+
+
 @triton.jit(do_not_specialize=["index", "peer"])
 def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl.constexpr):
     """Hold the stream until flags[index] >= 1, for at most timeout_ns (one program, one warp).

@@ -54,9 +54,10 @@ The ops are differentiable (``autograd``): the input gradient of each of the fir
 the other op, on the same object and paths; gemm_ar's is local.
 
 Every call of an overlapped path begins with a barrier over the group (one small kernel, its wait
-bounded by ``timeout_s``: ``kernels.matmul.reset_and_barrier_kernel``): buffers are reused from call to
-call, and a peer may write into them only once this rank is done with the previous call. Calls must be
-made in the same order on every rank.
+bounded by ``timeout_s``: ``kernels.matmul.reset_and_barrier_kernel``; the pipelined kernels, gemm_ar's and
+gemm_rs' over all rows, hold it inside, per program: ``kernels.matmul.program_arrives``): buffers are reused
+from call to call, and a peer may write into them only once this rank is done with the previous call. Calls
+must be made in the same order on every rank.
 
 So a call that one rank refuses must end on every rank. Each call's checks (dtype, device, shapes,
 bounds) run before anything does, and a refusal reaches the peers as EPAllToAll's does. The reference
@@ -187,7 +188,7 @@ class AsyncTP(runtime.CommObject):
     def _build(self, symmetric_zeros, programs: int) -> None:
         """The TPBuffers from `symmetric_zeros(shape, dtype)`, the clock words of `programs` programs (every
         grid's bound, the same on every rank) and the status words."""
-        self.buffers = tp_buffers(self.config, symmetric_zeros)
+        self.buffers = tp_buffers(self.config, symmetric_zeros, programs)
         self._symmetric = dict(vars(self.buffers))
         self._programs = programs
         self._state = torch.zeros(programs, dtype=torch.int64, device=self.device)   # clock words
@@ -336,7 +337,6 @@ class AsyncTP(runtime.CommObject):
         if path == "fused":
             config = self.launches.rs_rows(m, n, a.element_size())
             if config is not None:          # small M: tiles over all rows, the weights read once
-                self.launches.reset("tile_flags", self.world * self.launches.all_rows_tiles(m, n, config))
                 self.launches.gemm_rs_rows(a, w, out, config)
                 return out
             config = fused_tile_config(m // self.world, n, a.element_size())
@@ -375,7 +375,5 @@ class AsyncTP(runtime.CommObject):
             return plain.gemm_ar(a, w, self.group)
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
-        config = fused_tile_config(m, n, a.element_size())
-        self.launches.reset("tile_flags", self.world * self.launches.all_rows_tiles(m, n, config))
-        self.launches.gemm_ar(a, w, out, config)
+        self.launches.gemm_ar(a, w, out, fused_tile_config(m, n, a.element_size()))
         return out

@@ -76,14 +76,18 @@ class TPBuffers:
     tile_flags: torch.Tensor   # [W * T] i64: gemm_rs / gemm_ar: [W, tiles], 1 once rank s's tile t has landed
                                # (the chunked gemm_rs: [W], once all of rank s's partial rows have)
     arrivals: torch.Tensor     # [W] i64: the calls rank s has begun (each call's barrier counts them, bounded)
+    program_arrivals: torch.Tensor   # [P, W] i64: the calls program p of rank s has begun, for the kernels that
+                                     # hold their barrier per program (gemm_ar, gemm_rs over all rows)
 
 
-def tp_buffers(config: TPConfig, symmetric_zeros) -> TPBuffers:
-    """TPBuffers for `config` from symmetric_zeros(shape, dtype) (collective)."""
+def tp_buffers(config: TPConfig, symmetric_zeros, programs: int) -> TPBuffers:
+    """TPBuffers for `config` and grids of at most `programs` programs from symmetric_zeros(shape, dtype)
+    (collective)."""
     elements = config.max_rows * config.max_features
     tiles = triton.cdiv(config.max_rows // config.world, MIN_TILE[0]) * triton.cdiv(config.max_features, MIN_TILE[1])
     return TPBuffers(gathered=symmetric_zeros((elements,), config.dtype),
                      shard_flags=symmetric_zeros((config.world,), torch.int64),
                      partials=symmetric_zeros((elements,), config.dtype),
                      tile_flags=symmetric_zeros((config.world * tiles,), torch.int64),
-                     arrivals=symmetric_zeros((config.world,), torch.int64))
+                     arrivals=symmetric_zeros((config.world,), torch.int64),
+                     program_arrivals=symmetric_zeros((programs * config.world,), torch.int64))

@@ -43,15 +43,15 @@ class Launches:
                  status: torch.Tensor, programs: int):
         self.config, self.buffers, self.programs = config, buffers, programs
         waits = dict(state=state, status_addr=status.data_ptr(), timeout_ns=config.timeout_ns)
+        pipelined = dict(partials=buffers.partials, partial_peers=peers["partials"], flags=buffers.tile_flags,
+                         flag_peers=peers["tile_flags"], arrivals=buffers.program_arrivals,
+                         arrival_peers=peers["program_arrivals"], WORLD_PAD=next_power_of_2(config.world), **waits)
         self._fixed = {
             ag_gemm_kernel: dict(gathered=buffers.gathered, flags=buffers.shard_flags, **waits),
             gemm_rs_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
                                  flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
-            gemm_rs_rows_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
-                                      flags=buffers.tile_flags, flag_peers=peers["tile_flags"], **waits),
-            gemm_ar_kernel: dict(partials=buffers.partials, partial_peers=peers["partials"],
-                                 flags=buffers.tile_flags, flag_peers=peers["tile_flags"],
-                                 WORLD_PAD=next_power_of_2(config.world), **waits)}
+            gemm_rs_rows_kernel: pipelined,
+            gemm_ar_kernel: pipelined}
         for fixed in self._fixed.values():
             fixed.update(rank=config.rank, world=config.world)
         self._wait = {name: BoundKernel(wait_flag_kernel, 1, ("index", "peer"), flags=getattr(buffers, name), TAG=tag,
@@ -96,20 +96,22 @@ class Launches:
         """The GEMM reduce-scatter kernel with tiles over all M rows (``rs_rows``' tiles) into out [M/W, N] over
         steps [step_begin, step_end) of its pipeline (None: to the end; all of them on the GPU:
         ``gemm_rs_rows_kernel``)."""
-        self._pipelined(gemm_rs_rows_kernel, a, w, out, config, step_begin, step_end, 1)
+        self._pipelined(gemm_rs_rows_kernel, a, w, out, config, step_begin, step_end, 2)
 
     def gemm_ar(self, a, w, out, config: dict, step_begin: int = 0, step_end: int | None = None) -> None:
         """The GEMM all-reduce kernel into out [M, N] over steps [step_begin, step_end) of its pipeline (None:
         to the end; all of them on the GPU: ``gemm_ar_kernel``)."""
-        self._pipelined(gemm_ar_kernel, a, w, out, config, step_begin, step_end, 2)
+        self._pipelined(gemm_ar_kernel, a, w, out, config, step_begin, step_end, 3)
 
-    def _pipelined(self, fn, a, w, out, config: dict, step_begin: int, step_end: int | None, trailing: int) -> None:
-        """A pipelined kernel over all M rows (gemm_ar's, gemm_rs_rows'), steps [step_begin, step_end)."""
+    def _pipelined(self, fn, a, w, out, config: dict, step_begin: int, step_end: int | None, more: int) -> None:
+        """A pipelined kernel over all M rows (gemm_ar's, gemm_rs_rows'), steps [step_begin, step_end): its
+        barrier's arrival, then a step per tile of a program, `more` - 1 after them. No reset kernel before
+        it: it holds its barrier per program (``matmul.program_arrives``)."""
         (m, k), n = a.shape, w.shape[1]
         tma, descriptors = self._loads(a, w, config)
         tiles = self.all_rows_tiles(m, n, config)
         if step_end is None:
-            step_end = self.steps(tiles, trailing)
+            step_end = self.steps(tiles, more)
         kernel = self._kernel(fn, tiles, config, k, w, tma)
         kernel(a, w, out, m, n, k, step_begin, step_end, a.stride(0), w.stride(0), w.stride(1), *descriptors)
 
@@ -129,10 +131,10 @@ class Launches:
         """The tiles of [M, N] (gemm_ar's, gemm_rs_rows')."""
         return cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
-    def steps(self, tiles: int, trailing: int) -> int:
-        """The steps of a pipeline over `tiles` tiles: its programs' most tiles, plus `trailing` (gemm_ar: 2,
-        its sums and gathers; gemm_rs_rows: 1, its sums)."""
-        return cdiv(tiles, self.grid(tiles)) + trailing
+    def steps(self, tiles: int, more: int) -> int:
+        """The steps of a pipeline over `tiles` tiles: its programs' most tiles, plus `more` (gemm_ar: 3, the
+        barrier's arrival and the last tiles' sums and gathers; gemm_rs_rows: 2, the arrival and the last sums)."""
+        return cdiv(tiles, self.grid(tiles)) + more
 
     def grid(self, tiles: int) -> int:
         """The programs of a fused GEMM over `tiles` tiles: one a tile, at most `programs`."""
