@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 KERNEL_NODE, EMPTY_NODE = 0, 5          # CUgraphNodeType: CU_GRAPH_NODE_TYPE_KERNEL, CU_GRAPH_NODE_TYPE_EMPTY
+INVALID_VALUE = 1                       # CUresult CUDA_ERROR_INVALID_VALUE
 ALIGN = 16                              # bytes: the alignment Triton specializes a pointer argument on
 _WORD = 8
 
@@ -70,7 +71,8 @@ def unavailable() -> str | None:
         torch.cuda.CUDAGraph(keep_graph=True)
     except (OSError, AttributeError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
-    return None
+    missing = [name for name in ("raw_cuda_graph", "raw_cuda_graph_exec") if not hasattr(torch.cuda.CUDAGraph, name)]
+    return f"torch.cuda.CUDAGraph has no {' or '.join(missing)}" if missing else None
 
 
 def aligned(tensors: Sequence[torch.Tensor]) -> bool:
@@ -94,8 +96,10 @@ def _arguments(cuda: ctypes.CDLL, params: _NodeParams) -> list[bytes]:
     if not params.kernel_params:
         raise ValueError("a kernel node passes its arguments in a packed buffer, which is not read here")
     values, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
-    while info(handle, len(values), ctypes.byref(offset), ctypes.byref(size)) == 0:
+    while (result := info(handle, len(values), ctypes.byref(offset), ctypes.byref(size))) == 0:
         values.append(ctypes.string_at(params.kernel_params[len(values)], size.value))
+    if result != INVALID_VALUE:      # what the driver answers past the last argument, and only there
+        raise ValueError(f"a kernel's argument {len(values)} could not be read (CUresult {result})")
     return values
 
 
@@ -180,10 +184,13 @@ class MovedPointers:
         forward's two took 19 us on a GPU machine; a caller's tensors often come back at the same addresses)."""
         addresses = [tensors[j].data_ptr() for j in self.moving]
         for node in self.nodes:
-            if all(storage.value == addresses[j] for storage, j in node.pointers):
+            before = [storage.value for storage, _ in node.pointers]
+            if before == [addresses[j] for _, j in node.pointers]:
                 continue
             for storage, j in node.pointers:
                 storage.value = addresses[j]
             result = self._set(self.exec, node.handle, ctypes.byref(node.params))
-            if result != 0:
+            if result != 0:           # the node keeps the addresses it had, and so does its copy here
+                for (storage, _), value in zip(node.pointers, before):
+                    storage.value = value
                 raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed (CUresult {result})")

@@ -77,3 +77,60 @@ def test_unavailable_says_why_without_libcuda():
         pytest.skip("libcuda.so.1 loads here")
     reason = kernel_nodes.unavailable()
     assert isinstance(reason, str) and "libcuda" in reason
+
+
+def test_the_node_parameters_are_laid_out_as_the_driver_s():
+    """_NodeParams is CUDA_KERNEL_NODE_PARAMS_v2: a function, grid and block (3 unsigned each), shared bytes,
+    then the arguments' array at byte 40, extra, a kernel and a context: 72 bytes on a 64-bit host."""
+    params = kernel_nodes._NodeParams
+    assert ctypes.sizeof(params) == 72
+    assert [(name, getattr(params, name).offset) for name in ("func", "grid", "block", "shared_bytes",
+                                                               "kernel_params", "extra", "kern", "ctx")] == \
+        [("func", 0), ("grid", 8), ("block", 20), ("shared_bytes", 32), ("kernel_params", 40), ("extra", 48),
+         ("kern", 56), ("ctx", 64)]
+
+
+def moved_pointers(results: list[int]) -> tuple:
+    """A MovedPointers over one kernel node of two arguments, the second captured at A's start, without a
+    driver: its set answers each call with the next of `results` (0: done) and records the address it saw."""
+    values = [word(5), word(A[0])]
+    node = kernel_nodes._Node(0x1234, kernel_nodes._NodeParams(), values, pointers_to(values, [A]))
+    moved, seen = object.__new__(kernel_nodes.MovedPointers), []
+
+    def set_params(exec_, handle, params):
+        seen.append(node.pointers[0][0].value)
+        return results.pop(0)
+
+    moved.exec, moved.moving, moved.nodes, moved._set = None, [0], [node], set_params
+    return moved, node, seen
+
+
+class At:
+    """A tensor's stand-in for point_at: its address."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+def test_point_at_sets_a_node_only_where_its_pointers_moved():
+    """A node is set when an address changes, not again for the same address; its copy follows."""
+    moved, node, seen = moved_pointers([0, 0])
+    moved.point_at([At(A[0])])                     # where it was captured: nothing to set
+    moved.point_at([At(B[0])])
+    moved.point_at([At(B[0])])
+    moved.point_at([At(A[0])])
+    assert seen == [B[0], A[0]] and node.pointers[0][0].value == A[0]
+
+
+def test_a_failed_set_leaves_the_node_as_it_was():
+    """A set the driver refuses raises, and the node's copy keeps the addresses the graph still has: a later
+    call at the new address sets it again."""
+    moved, node, seen = moved_pointers([700, 0])
+    with pytest.raises(RuntimeError, match="cuGraphExecKernelNodeSetParams failed .CUresult 700"):
+        moved.point_at([At(B[0])])
+    assert node.pointers[0][0].value == A[0]
+    moved.point_at([At(B[0])])
+    assert seen == [B[0], B[0]] and node.pointers[0][0].value == B[0]

@@ -425,13 +425,16 @@ def _eager_replays(rank, world):
     made; for two layers, FP8 and bf16 experts (the bf16 intermediate is the larger), whose graphs share one
     scratch (the bf16 layer's capture makes it larger and the FP8 layer's graphs are captured again on it);
     on a second stream, with a scratch of its own; and interleaved with the replays of a caller's CUDA graph of
-    the layer's forward."""
+    the layer's forward. The graphs run on each forward's own tokens, ids and weights and write a new
+    output: their kernels pointed at them (kernel_nodes), every forward's inputs at addresses of their own."""
     from moe_ep import graphs
     g = torch.Generator().manual_seed(rank)
     layers = [EPMoE(128, 128, 8, 2, max_tokens=16, fp8_experts=fp8, device="cuda") for fp8 in (True, False)]
     plain = [copy.deepcopy(layer) for layer in layers]
     for layer in plain:
         layer.replay = False
+
+    kept = []                # every forward's inputs kept: the next ones lie elsewhere, the graphs' pointers move
 
     def forwards(steps):
         for step in range(steps):
@@ -440,6 +443,7 @@ def _eager_replays(rank, world):
                 tokens = min(tokens, 16)
                 x = torch.randn(tokens, 128, generator=g).to("cuda", torch.bfloat16)
                 ids, weights = random_topk(tokens, 8, 2, "cuda", g)
+                kept.append((x, ids, weights))
                 assert torch.equal(layer(x, ids, weights), launched(x, ids, weights)), f"step {step}"
 
     def replayed(layer, stream):

@@ -258,6 +258,27 @@ def test_the_barrier_waits_for_every_rank_to_begin_the_call():
         assert tp.buffers.shard_flags.tolist() == [0, 0] and tp.buffers.arrivals.tolist() == [1, 1]
 
 
+def test_pipelined_and_reset_calls_of_several_shapes_in_turn():
+    """One group makes calls of different kernels and shapes in turn on the same flags and partials, the
+    pipelined ones (their barrier inside, grids of other sizes) between those the reset kernel begins: each
+    call's result is right, and every program's calls are counted alike on both ranks."""
+    world = 2
+    ranks = simulated_group(world, 300, 300, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for op, m, k, n in (("gemm_ar", 8, 48, 40), ("gemm_rs", 8, 32, 300), ("gemm_rs", 300, 64, 300),
+                        ("gemm_ar", 70, 40, 130), ("gemm_rs", 6, 16, 20)):
+        a = [torch.randn(m, k, generator=g) for _ in range(world)]
+        ws = [torch.randn(k, n, generator=g) for _ in range(world)]
+        outs = run_gemm_ar(ranks, a, ws) if op == "gemm_ar" else run_gemm_rs(ranks, a, ws, "fused")
+        total = sum(a[r].double() @ ws[r].double() for r in range(world))
+        for r, tp in enumerate(ranks):
+            expected = total if op == "gemm_ar" else total[r * m // world:(r + 1) * m // world]
+            torch.testing.assert_close(outs[r].double(), expected, rtol=1e-4, atol=1e-4)
+            assert not tp._status.any()
+    assert torch.equal(ranks[0].buffers.program_arrivals, ranks[1].buffers.program_arrivals)
+    assert ranks[0].buffers.program_arrivals.sum() > 0
+
+
 @pytest.mark.parametrize("op", ["gemm_ar", "gemm_rs_rows"])
 def test_a_pipelined_kernel_s_barrier_waits_for_every_rank(op):
     """The pipelined kernels' barrier, per program inside the kernel: rank 0 alone times out in it naming

@@ -189,9 +189,11 @@ def program_arrives(flags, tiles, mine, programs, arrivals, arrival_peers, rank,
 def program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD: tl.constexpr):
     """The second half of ``program_arrives``' barrier, before the program's first store to a peer: wait until
     every rank's program with this id has counted as many calls as this one (bounded; a timeout is reported
-    under TAG_TP_BARRIER). Returns True once they have."""
+    under TAG_TP_BARRIER). Returns True once they have. The program's own count is read back by an atomic
+    behind a barrier (the CPU tests run the two halves in launches of their own, so it is not carried)."""
     pid = tl.program_id(0)
-    call = tl.load(arrivals + pid * world + rank)
+    tl.debug_barrier()
+    call = tl.atomic_add(arrivals + pid * world + rank, 0, sem="relaxed", scope="cta")
     return wait_all_ge(arrivals + pid * world, world, call, timeout_ns, status, TAG_TP_BARRIER, state, WORLD_PAD)
 
 

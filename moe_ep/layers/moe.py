@@ -362,13 +362,14 @@ class _Forward:
         if graph is False or not kernel_nodes.aligned((tokens, topk_ids, topk_weights)):
             return None
         operands = (tokens, topk_ids, topk_weights, torch.empty_like(tokens))
-        if graph is None or not graph.current:
+        captured = graph is None or not graph.current
+        if captured:
             graph = self.graph = self._capture(ep, operands)    # the capture counts the calls it records
             if not graph:
                 return None
-        else:
-            ep.replayed()
         graph(*operands)
+        if not captured:
+            ep.replayed()
         return operands[-1]
 
     def _capture(self, ep: EPAllToAll, operands) -> Replay | bool:

@@ -70,10 +70,11 @@ then in the call's own first waits, each bounded by ``timeout_s``); check(), or 
 CallRefusedError naming the refusing rank and its reason instead of CommTimeoutError, and the object is
 broken from then on, as after any timeout: build it again on every rank. The refusing rank's object is
 not: its next call pairs with whichever call of the same number its peers make, the timed-out one included
-(whose writes may have landed in its buffers), as EPAllToAll's calls do. A call that takes the path
-"never" waits in NCCL's collectives instead, which no board reaches (so does overlap="auto"'s first call
-of a shape, whose measurement runs between barriers of the group and ends in collectives): a peer of
-a rank that refused it waits until the process group's timeout.
+(whose writes may have landed in its buffers, but for the pipelined kernels', which send nothing once their
+barrier timed out), as EPAllToAll's calls do. A call that takes the path "never" waits in NCCL's collectives
+instead, which no board reaches (so does overlap="auto"'s first call of a shape, whose measurement runs
+between barriers of the group and ends in collectives): a peer of a rank that refused it waits until the
+process group's timeout.
 """
 from __future__ import annotations
 
