@@ -99,15 +99,18 @@ def _kernels_match_reference(rank, world, path):
                 seed = 2 * i + transposed
                 a, w = operands(rank, world, rows, k, n, dtype, transposed, seed)
                 out, gathered = tp.ag_gemm(a, w, return_gathered=True)
+                tp.check()                       # a wait that timed out says so, before its output is compared
                 ref, ref_gathered = reference.ag_gemm(a, w, return_gathered=True)
                 assert torch.equal(gathered, ref_gathered), "gathered A differs"
                 expect("ag_gemm", out, a, w, lambda m: f"{path} ag_gemm {rows, k, n, dtype, transposed}: {m}", ref)
 
                 a_full, w = operands(rank, world, world * rows, k, n, dtype, transposed, seed)
-                expect("gemm_rs", tp.gemm_rs(a_full, w), a_full, w,
-                       lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
+                out = tp.gemm_rs(a_full, w)
+                tp.check()
+                expect("gemm_rs", out, a_full, w, lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
 
                 out = tp.gemm_ar(a, w)           # M = rows: within max_rows / W, where "fused" runs the kernel
+                tp.check()
                 expect("gemm_ar", out, a, w, lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
                 if path == "fused":              # the kernel sums in the same order on every rank
                     assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
