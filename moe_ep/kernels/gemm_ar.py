@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add, signal_add_to, wait_until_ge
-from .matmul import gemm_tile, program_arrives, program_barrier, sum_peer_tiles, tile_place
+from .matmul import pipelined_tile, program_arrives, sum_peer_tiles, tile_place
 from .status import TAG_AR_SUM, TAG_AR_TILE
 
 
@@ -79,15 +79,12 @@ def gemm_ar_kernel(a, w, out, partials, partial_peers, flags, flag_peers, arriva
         if step == 0:                            # the call's barrier, its first half: the flags of its tiles zeroed
             program_arrives(flags, tiles, mine, programs, arrivals, arrival_peers, rank, world, WORLD_PAD)
         i = step - 1
-        if (i >= 0) & (i < mine):                # publish tile i
-            t = pid + i * programs
+        if (i >= 0) & (i < mine):                # publish tile i (its second half of the barrier at i = 0)
+            t, _, offsets, mask, acc, failed = pipelined_tile(
+                i, a, stride_am, a_desc, w, stride_wk, stride_wn, w_desc, tiles_m, tiles_n, M, N, K, programs,
+                arrivals, rank, world, timeout_ns, status, state + pid, failed, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                EVEN_K, TMA, W_KMAJOR, WORLD_PAD)
             owner = (pid + i) % world
-            pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            if i == 0:                           # its second half, behind the first tile's GEMM
-                passed = program_barrier(arrivals, rank, world, timeout_ns, status, state + pid, WORLD_PAD)
-                failed = tl.where(passed, 0, 1)
             if failed == 0:
                 slot = partials if owner == rank else peer_address(partial_peers, owner, dtype)
                 tl.store(slot + rank * slab + offsets, acc.to(dtype), mask=mask)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add
-from .matmul import gemm_tile, program_arrives, program_barrier, sum_peer_tiles, tile_place
+from .matmul import gemm_tile, pipelined_tile, program_arrives, sum_peer_tiles, tile_place
 from .status import TAG_RS_TILE
 
 
@@ -109,13 +109,10 @@ def gemm_rs_rows_kernel(a, w, out, partials, partial_peers, flags, flag_peers, a
             program_arrives(flags, tiles, mine, programs, arrivals, arrival_peers, rank, world, WORLD_PAD)
         i = step - 1
         if (i >= 0) & (i < mine):                # publish tile i: rank d's rows into slot `rank` of d's partials
-            t = pid + i * programs
-            pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            if i == 0:                           # its second half, behind the first tile's GEMM
-                passed = program_barrier(arrivals, rank, world, timeout_ns, status, state + pid, WORLD_PAD)
-                failed = tl.where(passed, 0, 1)
+            t, pid_m, offsets, mask, acc, failed = pipelined_tile(
+                i, a, stride_am, a_desc, w, stride_wk, stride_wn, w_desc, tiles_m, tiles_n, M, N, K, programs,
+                arrivals, rank, world, timeout_ns, status, state + pid, failed, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                EVEN_K, TMA, W_KMAJOR, WORLD_PAD)
             if failed == 0:
                 part = acc.to(dtype)
                 owner = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) // rows

@@ -197,6 +197,24 @@ def program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD:
     return wait_all_ge(arrivals + pid * world, world, call, timeout_ns, status, TAG_TP_BARRIER, state, WORLD_PAD)
 
 
+@triton.jit
+def pipelined_tile(i, a, stride_am, a_desc, w, stride_wk, stride_wn, w_desc, tiles_m, tiles_n, M, N, K, programs,
+                   arrivals, rank, world, timeout_ns, status, state, failed, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                   TMA: tl.constexpr, W_KMAJOR: tl.constexpr, WORLD_PAD: tl.constexpr):
+    """The GEMM of tile i of this program in a pipelined kernel over all M rows (gemm_ar's, gemm_rs_rows'): its
+    id t, place (``tile_place``) and fp32 tile; at the program's first tile, the call's barrier waited for
+    behind the GEMM (``program_barrier``). Returns (t, pid_m, offsets, mask, acc, failed)."""
+    t = tl.program_id(0) + i * programs
+    pid_m, pid_n, offsets, mask = tile_place(t, tiles_m, tiles_n, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, TMA, W_KMAJOR)
+    if i == 0:
+        passed = program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD)
+        failed = tl.where(passed, 0, 1)
+    return t, pid_m, offsets, mask, acc, failed
+
+
 @triton.jit(do_not_specialize=["index", "peer"])
 def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl.constexpr):
     """Hold the stream until flags[index] >= 1, for at most timeout_ns (one program, one warp).
