@@ -123,7 +123,8 @@ def pointers_to(values: Sequence[bytes], spans: Sequence[tuple[int, int]]) -> li
 
 class _Node:
     """One kernel node whose arguments take a captured address: its parameters with the arguments in
-    storage of its own (`moved`: (argument storage, tensor index) of the pointers that follow the tensors)."""
+    storage of its own. `moved`: (argument index, index among the moved tensors) of each argument that holds
+    a captured address (``pointers_to``); `pointers`: that argument's storage, as an int64, and the index."""
 
     def __init__(self, handle: int, params: _NodeParams, values: list[bytes], moved: list[tuple[int, int]]):
         self.handle = ctypes.c_void_p(handle)
