@@ -120,8 +120,9 @@ class Replay:
 
     def __init__(self, launch: Callable, made: Sequence[tuple], device: torch.device, stream: int,
                  operands: Sequence[torch.Tensor] = ()):
-        if operands and kernel_nodes.unavailable():
-            raise ValueError(f"no graph's kernels can be pointed elsewhere here ({kernel_nodes.unavailable()})")
+        why = kernel_nodes.unavailable() if operands else None
+        if why:
+            raise ValueError(f"no graph's kernels can be pointed elsewhere here ({why})")
         self.key = (device, stream)
         self.scratch = Scratch.of(*self.key, Scratch.size(made))
         self.buffers = self.scratch.views(made)

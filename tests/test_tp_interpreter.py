@@ -279,6 +279,14 @@ def test_pipelined_and_reset_calls_of_several_shapes_in_turn():
     assert ranks[0].buffers.program_arrivals.sum() > 0
 
 
+def pipelined_8x8(tp, op):
+    """The tile config and a new output of the pipelined kernel `op` ("gemm_ar" or "gemm_rs_rows") for
+    [8, 16] @ [16, 8] in fp32 on a group of two."""
+    if op == "gemm_rs_rows":
+        return tp.launches.rs_rows(8, 8, 4), torch.empty(4, 8)
+    return fused_tile_config(8, 8, 4), torch.empty(8, 8)
+
+
 @pytest.mark.parametrize("op", ["gemm_ar", "gemm_rs_rows"])
 def test_a_pipelined_kernel_s_barrier_waits_for_every_rank(op):
     """The pipelined kernels' barrier, per program inside the kernel: rank 0 alone times out in it naming
@@ -286,14 +294,13 @@ def test_a_pipelined_kernel_s_barrier_waits_for_every_rank(op):
     arrived) and times out waiting for what rank 0 never sent; every program's call is counted once on both."""
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
-    config = ranks[0].launches.rs_rows(8, 8, 4) if op == "gemm_rs_rows" else fused_tile_config(8, 8, 4)
-    rows = 4 if op == "gemm_rs_rows" else 8
-    getattr(ranks[0].launches, op)(a, w, torch.empty(rows, 8), config)
+    config, out = pipelined_8x8(ranks[0], op)
+    getattr(ranks[0].launches, op)(a, w, out, config)
     with pytest.raises(CommTimeoutError, match=r"^rank 0: async-TP call's barrier \(waiting for a peer to begin the "
                                                r"call\) timed out after 0.2s waiting for rank 1"):
         ranks[0].check()
     assert not ranks[1].buffers.tile_flags.any() and not ranks[1].buffers.partials.any()
-    getattr(ranks[1].launches, op)(a, w, torch.empty(rows, 8), config)
+    getattr(ranks[1].launches, op)(a, w, out, config)
     with pytest.raises(CommTimeoutError, match=r"^rank 1: GEMM .* waiting for rank 0"):
         ranks[1].check()
     programs = ranks[0].launches.grid(ranks[0].launches.all_rows_tiles(8, 8, config))
@@ -308,8 +315,7 @@ def test_a_pipelined_kernel_zeroes_its_flags_before_its_barrier(op):
     which sent nothing, instead of summing what the stale flags announce."""
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(8, 16), torch.randn(16, 8)
-    config = ranks[0].launches.rs_rows(8, 8, 4) if op == "gemm_rs_rows" else fused_tile_config(8, 8, 4)
-    out = torch.empty(4 if op == "gemm_rs_rows" else 8, 8)
+    config, out = pipelined_8x8(ranks[0], op)
     for tp in ranks:
         tp.buffers.tile_flags.fill_(1)
         getattr(tp.launches, op)(a, w, out, config, 0, 1)

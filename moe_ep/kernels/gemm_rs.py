@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..shmem import peer_address, signal_add
-from .matmul import gemm_tile, pipelined_tile, program_arrives, sum_peer_tiles, tile_place
+from .matmul import gemm_tile, pipelined_tile, program_arrives, program_tiles, sum_peer_tiles, tile_place
 from .status import TAG_RS_TILE
 
 
@@ -96,10 +96,7 @@ def gemm_rs_rows_kernel(a, w, out, partials, partial_peers, flags, flag_peers, a
     w_desc. WORLD_PAD: world rounded up to a power of 2."""
     pid = tl.program_id(0)
     status = status_addr.to(tl.pointer_type(tl.int32))
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tiles_m * tiles_n
-    mine = tl.cdiv(tiles - pid, programs)        # this program's tiles: pid + i * programs, i < mine
+    tiles_m, tiles_n, tiles, mine = program_tiles(M, N, programs, BLOCK_M, BLOCK_N)
     rows = M // world                            # a rank's rows
     slab = rows.to(tl.int64) * N                 # elements of one [rows, N] partial
     dtype = out.dtype.element_ty

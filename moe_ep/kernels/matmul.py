@@ -198,6 +198,16 @@ def program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD:
 
 
 @triton.jit
+def program_tiles(M, N, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tiles of [M, N] (tiles_m, tiles_n, tiles) and how many of them this program of a persistent grid of
+    `programs` runs, `mine`: tiles pid, pid + programs, ... (gemm_ar's, gemm_rs_rows')."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
+    return tiles_m, tiles_n, tiles, tl.cdiv(tiles - tl.program_id(0), programs)
+
+
+@triton.jit
 def pipelined_tile(i, a, stride_am, a_desc, w, stride_wk, stride_wn, w_desc, tiles_m, tiles_n, M, N, K, programs,
                    arrivals, rank, world, timeout_ns, status, state, failed, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,

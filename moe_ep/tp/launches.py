@@ -28,9 +28,9 @@ DESCRIPTORS = {ag_gemm_kernel: ("a_desc", "gathered_desc", "w_desc"), gemm_rs_ke
 VARYING = {ag_gemm_kernel: ("a_local", "w", "out", "rows", "N", "K", "stride_wk", "stride_wn"),
            gemm_rs_kernel: ("a", "w", "out", "rows", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
                             "stride_wn"),
-           gemm_ar_kernel: ("a", "w", "out", "M", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
-                            "stride_wn")}
-VARYING[gemm_rs_rows_kernel] = VARYING[gemm_ar_kernel]
+           **dict.fromkeys((gemm_rs_rows_kernel, gemm_ar_kernel),
+                           ("a", "w", "out", "M", "N", "K", "step_begin", "step_end", "stride_am", "stride_wk",
+                            "stride_wn"))}
 
 
 class Launches:
