@@ -179,9 +179,14 @@ for part in $parts; do
       # 2026-11-26, when that lane ended last, at 354 s, and the TP lane at 180 s). Each kernel that waits on
       # a peer is bounded, and each rank holds its share of the SMs.
       # Each limit is 1.5-2x its step's cold time on one H200 (benchmarks/NOTES.md, "The quick GPU suite").
+      # The three lanes whose kernels wait on peers hold at most 12 % of the SMs a process, their 8 processes
+      # together 96 %: under MPS a share caps a process, it reserves nothing, and at 1 / (ranks per GPU) each
+      # a lane's spinning waits held the SMs another lane's ranks needed for seconds (a live rank of elastic
+      # EP counted dead, an async TP wait timed out: benchmarks/NOTES.md, 2026-11-28).
       shared_gpu
       lane pytest_kernels 420 python3 -m pytest -q -rs --durations=8 tests/test_grouped_gemm.py \
         tests/test_matmul.py tests/test_quant.py tests/test_moe_layer.py -m "not gpu"
+      export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=12
       lane pytest_shmem 300 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu \
         tests/test_shmem_gpu.py --and-then pytest_elastic 300 python3 -m pytest -q -rs -s -m gpu \
         tests/test_ep_elastic.py
@@ -189,6 +194,7 @@ for part in $parts; do
         -m gpu tests/test_ep_gpu.py tests/test_ep_puts_gpu.py --and-then engine_tests 240
       lane pytest_tp 420 env MOE_EP_TEST_WORLDS=2 python3 -m pytest -q -rs --durations=8 -m gpu tests/test_tp_gpu.py \
         tests/test_moe_layer.py tests/test_quant.py
+      unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
       wait
       cat "$out"/*.lane
       lanes_passed pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic

@@ -176,9 +176,9 @@ GPU_WORLD = 4 if GPUS in (1, 4) or GPUS > 4 else GPUS    # on one GPU: shared-GP
 POINTS = ("before dispatch", "between dispatch and combine", "after send" if GPUS == 1 else "mid kernel")
 AFTER = 100                                            # calls checked after each death
 GPU_TOKENS, GPU_HIDDEN, GPU_EXPERTS, GPU_TOPK = 16, 512, 16, 4
-# On a shared GPU a live rank's kernels can wait seconds for SMs that other processes' spinning waits hold (the
-# quick suite runs this beside tests that time out on purpose): at 3 s a survivor once counted a live, starved
-# peer dead, 63 calls after a death. Each death costs the survivors one timeout either way.
+# On a shared GPU a live rank's kernels can wait for SMs that other processes' spinning waits hold: in a quick
+# suite whose lanes' shares added up to more than the GPU, a survivor counted a live, starved peer dead at 3 s,
+# 63 calls after a death. Each death costs the survivors one timeout either way.
 GPU_TIMEOUT_S = 6.0 if GPUS == 1 else 3.0
 
 

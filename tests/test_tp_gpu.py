@@ -66,9 +66,11 @@ def close(out, expected, tolerance, what):
                                   f"bound {tolerance.flatten()[worst].item():.3g}"))
 
 
-def expect(op, out, a, w, what, expected=None):
+def expect(tp, op, out, a, w, what, expected=None):
     """`out` of tp.<op>(a, w) against reference.<op>(a, w) (or `expected`, when already computed), within
-    the op's bound."""
+    the op's bound, once tp.check() has passed: a wait that timed out says so, instead of the garbage its
+    call left in `out` failing the comparison."""
+    tp.check()
     if expected is None:
         expected = getattr(reference, op)(a, w)
     s = getattr(reference, op)(a.float().abs(), w.float().abs())      # the op on magnitudes, in fp32
@@ -102,16 +104,14 @@ def _kernels_match_reference(rank, world, path):
                 tp.check()                       # a wait that timed out says so, before its output is compared
                 ref, ref_gathered = reference.ag_gemm(a, w, return_gathered=True)
                 assert torch.equal(gathered, ref_gathered), "gathered A differs"
-                expect("ag_gemm", out, a, w, lambda m: f"{path} ag_gemm {rows, k, n, dtype, transposed}: {m}", ref)
+                expect(tp, "ag_gemm", out, a, w, lambda m: f"{path} ag_gemm {rows, k, n, dtype, transposed}: {m}", ref)
 
                 a_full, w = operands(rank, world, world * rows, k, n, dtype, transposed, seed)
                 out = tp.gemm_rs(a_full, w)
-                tp.check()
-                expect("gemm_rs", out, a_full, w, lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
+                expect(tp, "gemm_rs", out, a_full, w, lambda m: f"{path} gemm_rs {rows, k, n, dtype, transposed}: {m}")
 
                 out = tp.gemm_ar(a, w)           # M = rows: within max_rows / W, where "fused" runs the kernel
-                tp.check()
-                expect("gemm_ar", out, a, w, lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
+                expect(tp, "gemm_ar", out, a, w, lambda m: f"{path} gemm_ar {rows, k, n, dtype, transposed}: {m}")
                 if path == "fused":              # the kernel sums in the same order on every rank
                     assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
         tp.check()
@@ -132,22 +132,23 @@ def _repeated_calls_and_the_fallback(rank, world):
             out = tp.ag_gemm(a, w)
             if path == "never":
                 assert torch.equal(out, ag_ref), "the fallback is the plain path"
-            expect("ag_gemm", out, a, w, lambda m: f"{path} ag_gemm call {call}: {m}", ag_ref)
-            expect("gemm_rs", tp.gemm_rs(a_full, w), a_full, w, lambda m: f"{path} gemm_rs call {call}: {m}", rs_ref)
-            expect("gemm_ar", tp.gemm_ar(a, w), a, w, lambda m: f"{path} gemm_ar call {call}: {m}", ar_ref)
+            expect(tp, "ag_gemm", out, a, w, lambda m: f"{path} ag_gemm call {call}: {m}", ag_ref)
+            out = tp.gemm_rs(a_full, w)
+            expect(tp, "gemm_rs", out, a_full, w, lambda m: f"{path} gemm_rs call {call}: {m}", rs_ref)
+            expect(tp, "gemm_ar", tp.gemm_ar(a, w), a, w, lambda m: f"{path} gemm_ar call {call}: {m}", ar_ref)
     for tp in paths.values():
         tp.check()
 
     auto = AsyncTP(world * 2048, 4096)           # overlap="auto": measured on the first call of a shape
     a, w = operands(rank, world, 4, 256, 512, dtype, False, seed=7)
-    expect("ag_gemm", auto.ag_gemm(a, w), a, w, lambda m: f"auto, small: {m}")
+    expect(auto, "ag_gemm", auto.ag_gemm(a, w), a, w, lambda m: f"auto, small: {m}")
     assert auto.choices[("ag_gemm", 4 * world, 256, 512)]["times_us"] == {}, "tiny shapes: the plain path, untimed"
     assert auto.choices[("ag_gemm", 4 * world, 256, 512)]["path"] == "never"
     a, w = operands(rank, world, 2048, 4096, 4096, dtype, True, seed=9)
     a_full, _ = operands(rank, world, world * 2048, 4096, 4096, dtype, True, seed=10)
     for call in range(2):                        # the first call measures, the second reuses the choice
-        expect("ag_gemm", auto.ag_gemm(a, w), a, w, lambda m: f"auto ag_gemm, call {call}: {m}")
-        expect("gemm_rs", auto.gemm_rs(a_full, w), a_full, w, lambda m: f"auto gemm_rs, call {call}: {m}")
+        expect(auto, "ag_gemm", auto.ag_gemm(a, w), a, w, lambda m: f"auto ag_gemm, call {call}: {m}")
+        expect(auto, "gemm_rs", auto.gemm_rs(a_full, w), a_full, w, lambda m: f"auto gemm_rs, call {call}: {m}")
     for op in ("ag_gemm", "gemm_rs"):
         choice = auto.choices[(op, world * 2048, 4096, 4096)]
         assert len(choice["times_us"]) == 3, f"{op}: every path is timed at this shape: {choice}"
@@ -197,7 +198,7 @@ def replays_match(rank, world, tp, op, shape, seed, what):
         if rank == replay % world:
             torch.cuda._sleep(1_000_000)
         graph.replay()
-        expect(op, out, a, w, lambda msg: f"{what} {op}, replay {replay} of its CUDA graph: {msg}")
+        expect(tp, op, out, a, w, lambda msg: f"{what} {op}, replay {replay} of its CUDA graph: {msg}")
 
 
 def _graphs_replay_fresh_inputs(rank, world):
@@ -232,7 +233,7 @@ def _graphs_replay_fresh_inputs(rank, world):
         replays_match(rank, world, auto, "ag_gemm", (rows, k, n), seed=500, what="auto")
     else:
         a, w = operands(rank, world, rows, k, n, auto.dtype, True, seed=500)
-        expect("ag_gemm", auto.ag_gemm(a, w), a, w, lambda msg: f"auto ag_gemm: {msg}")
+        expect(auto, "ag_gemm", auto.ag_gemm(a, w), a, w, lambda msg: f"auto ag_gemm: {msg}")
     choice = auto.choices[key]
     assert set(choice["times_us"]) == set(candidate_paths(*key, world)), choice
     if nccl:                                     # the eager call took the eager choice, the captured one the graphs'
@@ -261,9 +262,9 @@ def _pipelines(rank, world):
     for call in range(3):
         a, w = operands(rank, world, rows, k, n, torch.bfloat16, True, seed=40 + call)
         out = tp.gemm_ar(a, w)
-        expect("gemm_ar", out, a, w, lambda m: f"fused gemm_ar, call {call}: {m}")
+        expect(tp, "gemm_ar", out, a, w, lambda m: f"fused gemm_ar, call {call}: {m}")
         assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
-        expect("gemm_rs", tp.gemm_rs(a, w), a, w, lambda m: f"fused gemm_rs over all rows, call {call}: {m}")
+        expect(tp, "gemm_rs", tp.gemm_rs(a, w), a, w, lambda m: f"fused gemm_rs over all rows, call {call}: {m}")
     config = tp.launches.rs_rows(rows, n, 2)
     assert config == fused_tile_config(rows, n, 2), "M = 128 is a decode step's: the reduce-scatter over all rows"
     tiles = tp.launches.all_rows_tiles(rows, n, config)
@@ -289,7 +290,7 @@ def _refusal(rank, world):
     check() raises CallRefusedError naming rank 0 and why (``distributed.refused_on_rank_0``)."""
     tp = AsyncTP(world * 64, 256, overlap="fused", timeout_s=2.0)
     a, w = operands(rank, world, 64, 256, 256, torch.bfloat16, False, seed=4)
-    expect("ag_gemm", tp.ag_gemm(a, w), a, w, lambda m: f"before the refusal: {m}")
+    expect(tp, "ag_gemm", tp.ag_gemm(a, w), a, w, lambda m: f"before the refusal: {m}")
     too_many = torch.zeros(65, 256, dtype=torch.bfloat16, device="cuda")
     refused_on_rank_0(tp, lambda: tp.ag_gemm(too_many, w), lambda: tp.ag_gemm(a, w),
                       rf"^ag_gemm call 2 refused by rank 0: ag_gemm: M={world * 65} exceeds this AsyncTP's "
