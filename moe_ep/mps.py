@@ -6,7 +6,9 @@ through peer pointers as between GPUs. So a job with more ranks than GPUs (share
 its host group on gloo, rank r on GPU r % GPUs, every process an MPS client. Each process gets at
 most 1 / (ranks per GPU) of the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, read when CUDA starts),
 and kernels size their grids from that share (``moe_ep.runtime.usable_sms``), so the programs of
-one rank that spin waiting for a peer can never hold the SMs the peer's senders need.
+one rank that spin waiting for a peer can never hold the SMs the peer's senders need. A share caps a
+process and reserves nothing, so that holds within one job: jobs side by side on one GPU must split it
+between them (a smaller CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which is kept where set).
 
     python moe_ep/mps.py --ranks-per-gpu 4 -- torchrun ... script.py     # what launch.sh runs
 

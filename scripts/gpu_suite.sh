@@ -8,7 +8,8 @@
 #             at their headline sizes (EP 128 and 4096 tokens, the MoE layer at 128 tokens, the grouped GEMM's
 #             two model shapes at their decode and prefill rows). On one H200 with a warm compile cache (see
 #             below) the test lanes end at 290-335 s and the three benchmarks take 70-80 s: 400-460 s in all
-#             (benchmarks/NOTES.md, "The gate runs of 2026-11-27, early" and "morning").
+#             (benchmarks/NOTES.md, "The gate runs of 2026-11-27, early" and "morning"); 379 s with the
+#             multi-rank lanes at 12 % of the SMs a process (2026-11-28).
 # multi       on a machine of 2+ GPUs, every GPU its own rank: every GPU test file at world = the GPUs (elastic
 #             EP's at 4 ranks; the EP sweep at quick's reduced size, whole in tests_ep) and the tutorials, side
 #             by side (the GPUs time-slice between the jobs), with DeepEP's build where .deepep/ holds its source
