@@ -41,25 +41,20 @@ class _NodeParams(ctypes.Structure):
                 ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-_driver: ctypes.CDLL | None = None
-
-
+@functools.cache
 def _cuda() -> ctypes.CDLL:
     """libcuda with the prototypes used here (loaded once); OSError or AttributeError where it lacks one."""
-    global _driver
-    if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        p, size_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
-        for name, args in (("cuGraphGetNodes", (p, ctypes.POINTER(p), size_p)),
-                           ("cuGraphNodeGetType", (p, ctypes.POINTER(ctypes.c_int))),
-                           ("cuGraphKernelNodeGetParams_v2", (p, ctypes.POINTER(_NodeParams))),
-                           ("cuGraphExecKernelNodeSetParams_v2", (p, p, ctypes.POINTER(_NodeParams))),
-                           ("cuFuncGetParamInfo", (p, ctypes.c_size_t, size_p, size_p)),
-                           ("cuKernelGetParamInfo", (p, ctypes.c_size_t, size_p, size_p))):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        _driver = lib
-    return _driver
+    lib = ctypes.CDLL("libcuda.so.1")
+    p, size_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+    for name, args in (("cuGraphGetNodes", (p, ctypes.POINTER(p), size_p)),
+                       ("cuGraphNodeGetType", (p, ctypes.POINTER(ctypes.c_int))),
+                       ("cuGraphKernelNodeGetParams_v2", (p, ctypes.POINTER(_NodeParams))),
+                       ("cuGraphExecKernelNodeSetParams_v2", (p, p, ctypes.POINTER(_NodeParams))),
+                       ("cuFuncGetParamInfo", (p, ctypes.c_size_t, size_p, size_p)),
+                       ("cuKernelGetParamInfo", (p, ctypes.c_size_t, size_p, size_p))):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
 
 
 @functools.cache

@@ -374,7 +374,7 @@ class _Forward:
 
     def _capture(self, ep: EPAllToAll, operands) -> Replay | bool:
         mlp = self.plan.mlp
-        if Scratch.size(mlp.made) > graphs.MAX_BYTES:
+        if not self.plan.replayable:
             return False
 
         def launch(x, ids, weights, out, *experts):
