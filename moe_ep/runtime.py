@@ -150,18 +150,22 @@ class CommObject(Refusals):
 
     def _raise_if_failed(self) -> None:
         """Raise if destroyed, or if the status [code, peer, tag, value seen, target] reports a timeout
-        (CallRefusedError where peers' notes say they refused the call: ``_raise_refused``)."""
+        (CallRefusedError where peers' notes say they refused the call: ``_raise_refused``). Every call asks
+        this first, so the common answer, nothing to raise, is one test."""
+        if self._broken or (self._words is not None and self._words[0]):
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """``_raise_if_failed``'s raise, once its test found something."""
         if self._broken == "destroyed":
             raise RuntimeError(f"this {type(self).__name__} was destroyed")
         if self._broken:
             raise CommTimeoutError(self._broken)
-        if self._words is not None and self._words[0]:
-            _, peer, tag, seen, target = self._status.tolist()[:self.REPORT_WORDS]
-            timeout = self._break(f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after "
-                                  f"{self.timeout_s}s waiting for rank {peer} (signal count {seen}, expected "
-                                  f"{target}){self._context()}")
-            self._raise_refused(timeout)
-            raise timeout
+        _, peer, tag, seen, target = self._status.tolist()[:self.REPORT_WORDS]
+        timeout = self._break(f"rank {self.rank}: {self.TAGS.get(tag, 'wait')} timed out after {self.timeout_s}s "
+                              f"waiting for rank {peer} (signal count {seen}, expected {target}){self._context()}")
+        self._raise_refused(timeout)
+        raise timeout
 
     def _break(self, reason: str) -> CommTimeoutError:
         """Break this object for `reason` (every later call raises it); the CommTimeoutError to raise now."""
