@@ -37,6 +37,8 @@ CASES = [
     (1, 48, 20, torch.float32, False),          # one row
     (33, 64, 96, torch.float16, True),          # (the interpreter computes bf16 dots wrongly; fp16 stands in)
     (0, 64, 96, torch.float32, False),          # no rows
+    (20, 256, 40, torch.float32, False),        # one tile for 3 programs: tma_split_tail's 3 pieces of its K
+    (150, 96, 400, torch.float32, True),        # 8 tiles: 2 whole waves, then 2 tiles split, 2 pieces a program
     pytest.param(1000, 1024, 3000, torch.bfloat16, True, marks=on_gpu),      # edges in M and N, 128 x 256 tiles
     pytest.param(2048, 4096, 7168, torch.bfloat16, True, marks=on_gpu),      # bench_gemm.py's d tp2 AG
     pytest.param(16384, 8192, 4096, torch.bfloat16, True, marks=on_gpu),     # its largest M (c tp2 AG)
@@ -197,3 +199,30 @@ def test_small_m_kernels_compile_for_sm90():
     compile to cubins for sm_90 (Triton's PTX and ptxas; no GPU needed), outside the interpreter."""
     lines = run_without_interpreter(COMPILE_FOR_SM90, timeout=600).splitlines()
     assert len(lines) == 2 * len(SMALL_M_TILES) + 1 and lines[-1] == "sum_splits_kernel"
+
+
+COMPILE_TILE_LOOP_FOR_SM90 = r"""
+from moe_ep.kernels.matmul import fused_tile_config, matmul_kernel
+from sm90 import compile_for_sm90
+
+for rows in (128, 512):                     # bench_tp's decode rows: small-M tiles, then tile_config's
+    config = fused_tile_config(rows, 28672, 2)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    for split in (False, True):
+        constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], EVEN_K=True, TMA=True,
+                         W_KMAJOR=True, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=split, out_desc=None)
+        types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*fp32", counts="*i32",
+                     a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>")
+        compiled = compile_for_sm90(matmul_kernel, types, constants, num_warps=config["num_warps"],
+                                    num_stages=config["num_stages"])
+        print(bm, bn, split, compiled.metadata.shared)
+"""
+
+
+def test_tile_loop_compiles_for_sm90():
+    """matmul_kernel on TMA, with and without its split tail, at bench_tp's decode tiles, compiles to cubins for
+    sm_90 outside the interpreter; the tail's buffers take no shared memory of the tile loop's."""
+    lines = [line.split() for line in run_without_interpreter(COMPILE_TILE_LOOP_FOR_SM90, timeout=600).splitlines()]
+    assert [line[:3] for line in lines] == [["128", "64", "False"], ["128", "64", "True"], ["128", "256", "False"],
+                                            ["128", "256", "True"]], lines
+    assert lines[0][3] == lines[1][3] and lines[2][3] == lines[3][3], lines

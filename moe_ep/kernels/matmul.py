@@ -27,7 +27,12 @@ never returned from its first call on an H200: not offered.)
 The kernels are persistent: `programs` programs walk the tiles of all shards in a fixed order
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
 it has finished its tiles of an earlier one. Inside a shard the tiles go in groups of GROUP_M
-row-blocks (the Triton matmul tutorial's L2-friendly order).
+row-blocks (the Triton matmul tutorial's L2-friendly order). Where the tiles are not a multiple of the
+programs, the last wave keeps only some SMs busy: at M = 128, 448 tiles of 128 x 64 on 132 SMs are 3.4
+waves run in the time of 4, and the loop measured 0.86x cuBLAS there. ``matmul``'s variant
+"tma_split_tail" runs the whole waves as the loop does and deals the last wave's K steps out evenly over
+every program (``matmul_tail``: the pieces of a tile summed in K order by whichever program finishes its
+last one); the fused kernels do not split yet.
 
 The tile shapes depend only on the problem's sizes and dtype, never on the rank: tile ids are
 part of the protocol between ranks (GEMM-RS signals one flag per tile).
@@ -237,13 +242,15 @@ def wait_flag_kernel(flags, index, state, status_addr, timeout_ns, peer, TAG: tl
 
 # How the tile loop loads and schedules (see the module docstring). TMA: tensor descriptors;
 # FLATTEN: the option of tl.range on the tile loop; STORE_TMA: output tiles stored through a descriptor;
+# SPLIT_TAIL: the last, partial wave of tiles dealt out by K blocks over every program (``matmul_tail``);
 # launch options here replace tile_config's. "tma_flat_store": a fourth stage, which fits because the
 # output tile is stored in halves.
 VARIANTS = {
-    "pointer": dict(TMA=False, FLATTEN=False, STORE_TMA=False),
-    "tma": dict(TMA=True, FLATTEN=False, STORE_TMA=False),
-    "tma_flat": dict(TMA=True, FLATTEN=True, STORE_TMA=False),
-    "tma_flat_store": dict(TMA=True, FLATTEN=True, STORE_TMA=True, num_stages=4),
+    "pointer": dict(TMA=False, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=False),
+    "tma": dict(TMA=True, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=False),
+    "tma_flat": dict(TMA=True, FLATTEN=True, STORE_TMA=False, SPLIT_TAIL=False),
+    "tma_flat_store": dict(TMA=True, FLATTEN=True, STORE_TMA=True, SPLIT_TAIL=False, num_stages=4),
+    "tma_split_tail": dict(TMA=True, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=True),
 }
 DEFAULT_VARIANT = "tma"
 FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can run (AsyncTP's tile_loop)
@@ -301,28 +308,91 @@ def store_tile_tma(out_desc, row, col, acc, BLOCK_N: tl.constexpr):
     out_desc.store([row, col + BLOCK_N // 2], right)
 
 
+@triton.jit
+def store_tile(out, out_desc, pid_m, pid_n, acc, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               STORE_TMA: tl.constexpr):
+    """Tile (pid_m, pid_n) of out [M, N] = acc, through out_desc (``store_tile_tma``) or with pointers."""
+    if STORE_TMA:
+        store_tile_tma(out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, acc, BLOCK_N)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def tail_program(step, steps, work, deal):
+    """The program whose share of a split tail (``matmul_tail``) holds K step `step` (of `work`, dealt over
+    `deal` programs, program p taking [p * work // deal, (p + 1) * work // deal)): the last p whose share
+    starts at or before it."""
+    return ((step + 1) * deal - 1) // work
+
+
+@triton.jit
+def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk, stride_wn,
+                programs, tiles_m, tiles_n, first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                W_KMAJOR: tl.constexpr, STORE_TMA: tl.constexpr):
+    """Tiles `first` .. tiles - 1 of out = a @ w, fewer than the programs: the partial last wave of the tile
+    loop, which would leave the other programs idle for a whole tile's time. Their K steps (BLOCK_K each,
+    tile after tile) are dealt out evenly over min(programs, steps) programs, so a program's share is
+    shorter than a tile's K and spans at most two tiles. Each program stores the fp32 sum of each piece in
+    its slot of `partials` [programs * 2, BLOCK_M * BLOCK_N] (slot 2p + j: program p's j-th piece) and counts
+    the piece in its tile's word of `counts` [tiles - first] int32 (zeros at launch); the program that
+    counts a tile's last piece, whichever it is, adds the tile's pieces in K order (the same bits on every
+    call and GPU of the same program count) and stores the tile. Nothing waits for another program."""
+    steps = tl.cdiv(K, BLOCK_K)
+    work = (tiles_m * tiles_n - first) * steps
+    deal = tl.minimum(programs, work)
+    pid = tl.program_id(0)
+    start = pid * work // deal
+    end = tl.where(pid < deal, (pid + 1) * work // deal, start)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for j in range(0, 2):
+        if start < end:
+            u = start // steps
+            stop = tl.minimum(end, (u + 1) * steps)
+            pid_m, pid_n = tile_coords(first + u, tiles_m, tiles_n, GROUP_M)
+            acc = gemm_slice(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
+                             start - u * steps, stop - u * steps, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
+            tl.store(partials + (pid * 2 + j) * (BLOCK_M * BLOCK_N) + offs, acc)
+            tl.debug_barrier()                   # every thread's piece stored before the count releases it
+            q_first = tail_program(u * steps, steps, work, deal)
+            q_last = tail_program((u + 1) * steps - 1, steps, work, deal)
+            if tl.atomic_add(counts + u, 1, sem="acq_rel", scope="gpu") == q_last - q_first:
+                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for q in range(q_first, q_last + 1):     # a tile is program q's second piece where q began before it
+                    slot = q * 2 + (q * work // deal < u * steps).to(tl.int32)
+                    total += tl.load(partials + slot * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+                store_tile(out, out_desc, pid_m, pid_n, total, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
+            start = stop
+
+
 @triton.jit(do_not_specialize=["M", "programs"])
-def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, M, N, K, stride_am, stride_wk, stride_wn, programs,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr, FLATTEN: tl.constexpr,
-                  STORE_TMA: tl.constexpr):
+def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk, stride_wn,
+                  programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+                  FLATTEN: tl.constexpr, STORE_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr):
     """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
     fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
     boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None). STORE_TMA: out
-    stored through out_desc (``store_tile_tma``), else with pointers."""
+    stored through out_desc (``store_tile_tma``), else with pointers. SPLIT_TAIL: the loop runs the whole
+    waves of tiles, one a program, and ``matmul_tail`` the rest (partials and counts are its buffers)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for t in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
+    tiles = tiles_m * tiles_n
+    whole = tiles - tiles % programs if SPLIT_TAIL else tiles
+    for t in tl.range(tl.program_id(0), whole, programs, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm_tile(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K, BLOCK_M,
                         BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-        if STORE_TMA:
-            store_tile_tma(out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, acc, BLOCK_N)
-        else:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        store_tile(out, out_desc, pid_m, pid_n, acc, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
+    if SPLIT_TAIL:
+        if whole < tiles:
+            matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk,
+                        stride_wn, programs, tiles_m, tiles_n, whole, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                        TMA, W_KMAJOR, STORE_TMA)
 
 
 def describable(t: torch.Tensor) -> bool:
@@ -380,9 +450,14 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
                                                                                 W_KMAJOR=False)
     out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
-    grid = min(programs, cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]))
-    matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, M=m, N=n, K=k, stride_am=a.stride(0),
-                           stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
+    tiles = cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+    grid = programs if options["SPLIT_TAIL"] else min(programs, tiles)
+    tail = tiles % grid if options["SPLIT_TAIL"] else 0
+    partials = torch.empty((2 * grid if tail else 1, config["BLOCK_M"] * config["BLOCK_N"]), dtype=torch.float32,
+                           device=a.device)
+    counts = torch.zeros(max(tail, 1), dtype=torch.int32, device=a.device)
+    matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, partials=partials, counts=counts, M=m, N=n, K=k,
+                           stride_am=a.stride(0), stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
                            EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
     return out
 
