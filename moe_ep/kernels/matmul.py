@@ -336,8 +336,8 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
                 W_KMAJOR: tl.constexpr, STORE_TMA: tl.constexpr):
     """Tiles `first` .. tiles - 1 of out = a @ w, fewer than the programs: the partial last wave of the tile
     loop, which would leave the other programs idle for a whole tile's time. Their K steps (BLOCK_K each,
-    tile after tile) are dealt out evenly over min(programs, steps) programs, so a program's share is
-    shorter than a tile's K and spans at most two tiles. Each program stores the fp32 sum of each piece in
+    tile after tile: `work` of them) are dealt out evenly over min(programs, work) programs, so a program's
+    share is no longer than a tile's K and spans at most two tiles. Each program stores the fp32 sum of each piece in
     its slot of `partials` [programs * 2, BLOCK_M * BLOCK_N] (slot 2p + j: program p's j-th piece) and counts
     the piece in its tile's word of `counts` [tiles - first] int32 (zeros at launch); the program that
     counts a tile's last piece, whichever it is, adds the tile's pieces in K order (the same bits on every
@@ -452,10 +452,11 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
     tiles = cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
     grid = programs if options["SPLIT_TAIL"] else min(programs, tiles)
-    tail = tiles % grid if options["SPLIT_TAIL"] else 0
-    partials = torch.empty((2 * grid if tail else 1, config["BLOCK_M"] * config["BLOCK_N"]), dtype=torch.float32,
-                           device=a.device)
-    counts = torch.zeros(max(tail, 1), dtype=torch.int32, device=a.device)
+    partials = counts = out                    # read only by a split tail
+    if options["SPLIT_TAIL"] and tiles % grid:
+        partials = torch.empty((2 * grid, config["BLOCK_M"] * config["BLOCK_N"]), dtype=torch.float32,
+                               device=a.device)
+        counts = torch.zeros(tiles % grid, dtype=torch.int32, device=a.device)
     matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, partials=partials, counts=counts, M=m, N=n, K=k,
                            stride_am=a.stride(0), stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
                            EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
