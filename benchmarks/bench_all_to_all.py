@@ -52,7 +52,9 @@ takes longer); all_to_all_<world>ranks.json is rewritten as they come in, its .m
 `--host-only` needs no GPU: it prints the host time per call on a simulated one-process world
 (EPAllToAll.simulated), launches left out (the front's share), and with every launch through BoundKernel up to
 the compiled kernel, which does nothing there (the package's own Python of a call: all of it but Triton's
-launcher and the driver). Run it without TRITON_INTERPRET.
+launcher and the driver), the latter also with the CPU's caches swept before each call (``timing.cold_caches``:
+an eager call timed after a barrier on the GPU hosts runs so, benchmarks/bench_host.py). Run it without
+TRITON_INTERPRET.
 """
 import json
 import os
@@ -68,8 +70,8 @@ from moe_ep import EPAllToAll, link_copies, random_topk, reference, runtime
 from moe_ep.formats import FORMATS
 from moe_ep.launcher import BoundKernel
 from moe_ep.routing import hbm_bytes, link_bytes
-from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, heading, link_floor_us,
-                           markdown_table, median_us, row_line, write_json, write_report)
+from moe_ep.timing import (Progress, benchmark_args, cold_caches, environment, finish, floor_us, heading,
+                           link_floor_us, markdown_table, median_us, row_line, write_json, write_report)
 
 HIDDEN, EXPERTS, TOPK, GROUP = 7168, 256, 8, 128
 # The default settings take 24 s on one H200 with a warm cache (11 s of it measuring: the launch, NVSHMEM's
@@ -135,14 +137,18 @@ def _no_launch(*args) -> None:
     """A protocol launch left out (front_host_us)."""
 
 
-def calls_host_us(ep, x, ids, weights, expert_out, iters: int) -> dict:
+def calls_host_us(ep, x, ids, weights, expert_out, iters: int, cold: bool = False) -> dict:
     """Median CPU microseconds of a dispatch and of a combine (of a fresh dispatch's handle), each call timed
-    alone, over `iters` calls of each. Every rank must run it the same number of times (it moves the slots on)."""
+    alone, over `iters` calls of each; `cold`: each after the CPU's caches are swept (``timing.cold_caches``), as
+    an eager call after a barrier runs on the GPU hosts. Every rank must run it the same number of times (it
+    moves the slots on)."""
     out = {}
     for op in ("dispatch", "combine"):
         times = []
         for _ in range(iters):
             *_, handle = ep.dispatch(x, ids, weights)
+            if cold:
+                cold_caches()
             start = time.perf_counter()
             if op == "dispatch":
                 ep.dispatch(x, ids, weights)
@@ -177,28 +183,33 @@ class _NoKernel:
         return None
 
 
-def bound_host_us(ep, x, ids, weights, expert_out, iters: int = 2000) -> dict:
+def bound_host_us(ep, x, ids, weights, expert_out, iters: int = 2000, cold: bool = False) -> dict:
     """Median CPU microseconds of dispatch and combine on a machine without a GPU, every launch through
     BoundKernel (its specialization key, argument list, launch hooks) up to a compiled kernel that does nothing
     (_NoKernel: nothing is compiled, no stream asked for): the package's own Python of a call, all of its host
-    time but Triton's launcher and the driver (calls_host_us)."""
+    time but Triton's launcher and the driver (calls_host_us, with the caches swept before each call if `cold`)."""
     with mock.patch.object(BoundKernel, "_compile", lambda kernel, arguments: (_NoKernel(), kernel.grid)), \
             mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, create=True):
-        return {f"{op}_bound_us": us for op, us in calls_host_us(ep, x, ids, weights, expert_out, iters).items()}
+        times = calls_host_us(ep, x, ids, weights, expert_out, iters, cold)
+    return {f"{op}_bound{'_cold' if cold else ''}_us": us for op, us in times.items()}
 
 
 def host_only() -> None:
     """The host time per call without a GPU: rank 0 of a simulated 2-rank world at the decode sizes, the front's
-    share (front_host_us) and the package's whole Python (bound_host_us)."""
-    print("host time per call on the CPU, us: front (launches left out) / through BoundKernel (the kernel a no-op)")
+    share (front_host_us) and the package's whole Python (bound_host_us), the latter also with cold caches (as an
+    eager call after a barrier runs on the GPU hosts)."""
+    print("host time per call on the CPU, us: front (launches left out) / through BoundKernel (the kernel a no-op) "
+          "/ the same from cold caches")
     for tokens in DECODE:
         ep = EPAllToAll.simulated(2, tokens, HIDDEN, EXPERTS, TOPK, fp8_group=GROUP)[0]
         x = torch.randn(tokens, HIDDEN).bfloat16()
         ids, weights = random_topk(tokens, EXPERTS, TOPK)
         expert_out = torch.empty(ep.experts_per_rank, 2 * tokens, HIDDEN, dtype=torch.bfloat16)
-        times = {**front_host_us(ep, x, ids, weights, expert_out), **bound_host_us(ep, x, ids, weights, expert_out)}
-        print(f"  {tokens:4} tokens: dispatch {times['dispatch_front_us']:.1f} / {times['dispatch_bound_us']:.1f}, "
-              f"combine {times['combine_front_us']:.1f} / {times['combine_bound_us']:.1f}")
+        times = {**front_host_us(ep, x, ids, weights, expert_out), **bound_host_us(ep, x, ids, weights, expert_out),
+                 **bound_host_us(ep, x, ids, weights, expert_out, iters=200, cold=True)}
+        print(f"  {tokens:4} tokens: " + ", ".join(
+            f"{op} {times[f'{op}_front_us']:.1f} / {times[f'{op}_bound_us']:.1f} / {times[f'{op}_bound_cold_us']:.1f}"
+            for op in ("dispatch", "combine")))
 
 
 def kernel_time(fn, names, iters: int = 20) -> float:

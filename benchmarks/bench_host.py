@@ -6,12 +6,12 @@ The multi-GPU benchmarks time an eager call alone, after a barrier that blocks t
 bench_tp_layers.py), and on the GPU machines its Python then runs as if from cold caches: NCCL's all-gather
 and a cuBLAS GEMM at M = 128 took 156-163 us of host time on an H200 host (rank 0 of 2, the GPU kept busy),
 where the same calls in a tight loop take a tenth of that. This benchmark makes that regime on a CPU: every
-call begins after a sweep of SWEEP_BYTES has evicted the caches (more than this machine's last-level cache),
-and the host paths run on tiny CPU tensors over a fake process group of 2 ranks (PyTorch's test backend:
-its collectives return at once), so the time is the host's alone: Python, torch's dispatcher, the group's
-calls. The same calls then run warm, back to back, for comparison. On the development machine (AMD EPYC, 2
-cores) the cold calls take 140-200 us, near the GPU host's figures for the same paths; what costs there is
-each distinct piece of code and data a call touches, not the bytecode count a warm loop measures.
+call begins after a sweep of SWEEP_BYTES has evicted the caches (``moe_ep.timing.cold_caches``), and the host
+paths run on tiny CPU tensors over a fake process group of 2 ranks (PyTorch's test backend: its collectives
+return at once), so the time is the host's alone: Python, torch's dispatcher, the group's calls. The same
+calls then run warm, back to back, for comparison. On the development machine (AMD EPYC, 2 cores) the cold
+calls take 140-200 us, near the GPU host's figures for the same paths; what costs there is each distinct
+piece of code and data a call touches, not the bytecode count a warm loop measures.
 
 Rows (bf16, a [4, 64] @ w [64, 64] as nn.Linear stores it, ag_gemm's shard [2, 64]), us a call, the empty
 call's time subtracted, medians over --rounds rounds, the calls of a round in an order of the round's own:
@@ -35,23 +35,21 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from moe_ep import AsyncTP
 from moe_ep.layers.tp_linear import RowParallelLinear
-from moe_ep.timing import markdown_table
+from moe_ep.timing import SWEEP_BYTES, cold_caches, markdown_table
 from moe_ep.tp import plain
 
-SWEEP_BYTES = 96 << 20          # written through before each cold call: three times a 32 MB last-level cache
 ROWS, FEATURES = 4, 64
 
 
 def times_us(fns: dict, rounds: int, cold: bool) -> dict:
     """Median microseconds of each of `fns` (name -> callable), interleaved round after round in an order drawn
     per round, each call after a sweep of the caches when `cold`; the empty call's median subtracted."""
-    sweep = np.ones(SWEEP_BYTES, dtype=np.uint8)
     fns = {"empty": lambda: None, **fns}
     samples = {name: [] for name in fns}
     for r in range(rounds):
         for name in np.random.default_rng(r).permutation(list(fns)):
             if cold:
-                sweep[::64] += 1                 # a write to every cache line
+                cold_caches()
             start = time.perf_counter()
             fns[name]()
             samples[name].append((time.perf_counter() - start) * 1e6)

@@ -1,9 +1,11 @@
 """Measuring on the GPU, for the benchmarks, the tutorials, EPAllToAll.measure_crossover and AsyncTP's
 choice of path: medians of CUDA-event times (warm-up excluded; interleaved where callables are compared),
 the same in CUDA graphs of back-to-back calls, the options and setup every benchmark shares, where it ran,
-its rows as they come (with a heartbeat while one takes long) and its table."""
+its rows as they come (with a heartbeat while one takes long) and its table; and, for host time measured on a
+CPU, caches made cold as a GPU host's are for an eager call (``cold_caches``)."""
 import argparse
 import datetime
+import functools
 import json
 import os
 import random
@@ -12,11 +14,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import triton
 
 from . import runtime
+
+SWEEP_BYTES = 96 << 20      # what cold_caches writes through: three times a 32 MB last-level cache
 
 
 def call_us(fn) -> float:
@@ -34,6 +39,18 @@ def call_after_barrier_us(fn, group=None) -> float:
     so no rank's clock starts while another still runs its last call)."""
     dist.barrier(group=group)
     return call_us(fn)
+
+
+@functools.cache
+def _sweep() -> np.ndarray:
+    return np.ones(SWEEP_BYTES, dtype=np.uint8)
+
+
+def cold_caches() -> None:
+    """Evict this CPU's caches (a write to every 64-byte line of SWEEP_BYTES), so that the host work that follows
+    runs from memory, as an eager call timed alone after a barrier does on the GPU hosts: there the same Python
+    takes 8-10x its time in a tight loop (benchmarks/bench_host.py, benchmarks/NOTES.md)."""
+    _sweep()[::64] += 1
 
 
 def median_us(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
