@@ -17,7 +17,8 @@ state) and whatever a call leaves for the next fall on all alike:
   triton      the fused kernels' GEMM alone (moe_ep.kernels.matmul, their tile shapes): `triton_vs_cublas`
               = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:
               the same with the tile loop on tensor descriptors (AsyncTP's tile_loop="tma"); every
-              variant on one GPU: benchmarks/bench_gemm.py
+              variant on one GPU: benchmarks/bench_gemm.py. `triton_split`: the tile loop with its partial last
+              wave split by K over every program (matmul's "tma_split_tail", not yet in the fused kernels)
   plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce), through
               torch.distributed's calls, as a model would make them: the baseline
   never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its
@@ -174,7 +175,9 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
     config = fused_tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)   # the fused kernels' tiles
     triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
     triton_tma = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma")   # noqa: E731
+    triton_split = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma_split_tail")   # noqa: E731
     timings = [("comm_us", comm), ("gemm_us", gemm), ("triton_us", triton_gemm), ("triton_tma_us", triton_tma),
+               ("triton_split_us", triton_split),
                ("plain_us", plain), *((f"{path}_us", run) for path, run in paths.items()),
                ("auto_us", with_overlap("auto"))]
     if fused_op is not None:
@@ -199,7 +202,7 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
         for us, speedup in (("_us", "_speedup"), ("_graph_us", "_graph_speedup")):
             if all(isinstance(row.get(key), float) for key in (f"plain{us}", f"{path}{us}")):
                 row[f"{path}{speedup}"] = row[f"plain{us}"] / row[f"{path}{us}"]
-    for key in ("triton", "triton_tma"):
+    for key in ("triton", "triton_tma", "triton_split"):
         if all(isinstance(row.get(k), float) for k in (f"{key}_us", "gemm_us")):
             row[f"{key}_vs_cublas"] = row["gemm_us"] / row[f"{key}_us"]
     ours = [row[key] for key in ("fused_us", "fused_tma_us", "chunked_us") if isinstance(row.get(key), float)]
@@ -211,21 +214,22 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
 
 
 COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cublas", "triton_tma_us",
-           "triton_tma_vs_cublas", "plain_us", "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us",
-           "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup", "chunked_speedup", "never_speedup",
-           "auto_speedup", "overlap_efficiency", "auto_path", "auto_graph_path", "comm_graph_us", "gemm_graph_us",
-           "triton_graph_us", "triton_tma_graph_us", "plain_graph_us", "torch_graph_us", "fused_graph_us",
-           "fused_tma_graph_us", "chunked_graph_us", "never_graph_us", "auto_graph_us", "torch_graph_speedup",
-           "fused_graph_speedup", "fused_tma_graph_speedup", "chunked_graph_speedup", "never_graph_speedup",
-           "auto_graph_speedup", "auto_first_call_ms", "auto_timed_never_us", "auto_timed_fused_us",
-           "auto_timed_chunked_us", "auto_graph_timed_never_us", "auto_graph_timed_fused_us",
-           "auto_graph_timed_chunked_us", "predicted_never_us", "predicted_fused_us", "predicted_chunked_us",
-           "fused_max_abs_diff", "fused_tma_max_abs_diff", "chunked_max_abs_diff", "never_max_abs_diff"]
+           "triton_tma_vs_cublas", "triton_split_us", "triton_split_vs_cublas", "plain_us", "torch_us", "fused_us",
+           "fused_tma_us", "chunked_us", "never_us", "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup",
+           "chunked_speedup", "never_speedup", "auto_speedup", "overlap_efficiency", "auto_path", "auto_graph_path",
+           "comm_graph_us", "gemm_graph_us", "triton_graph_us", "triton_tma_graph_us", "triton_split_graph_us",
+           "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us", "chunked_graph_us",
+           "never_graph_us", "auto_graph_us", "torch_graph_speedup", "fused_graph_speedup", "fused_tma_graph_speedup",
+           "chunked_graph_speedup", "never_graph_speedup", "auto_graph_speedup", "auto_first_call_ms",
+           "auto_timed_never_us", "auto_timed_fused_us", "auto_timed_chunked_us", "auto_graph_timed_never_us",
+           "auto_graph_timed_fused_us", "auto_graph_timed_chunked_us", "predicted_never_us", "predicted_fused_us",
+           "predicted_chunked_us", "fused_max_abs_diff", "fused_tma_max_abs_diff", "chunked_max_abs_diff",
+           "never_max_abs_diff"]
 # a row's line as it is measured
-ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "plain_us", "torch_us",
-               "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path", "overlap_efficiency",
-               "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us", "chunked_graph_us",
-               "never_graph_us", "auto_graph_us", "auto_graph_path"]
+ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "triton_split_us", "plain_us",
+               "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path",
+               "overlap_efficiency", "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us",
+               "chunked_graph_us", "never_graph_us", "auto_graph_us", "auto_graph_path"]
 
 
 def main():
