@@ -37,8 +37,9 @@ CASES = [
     (1, 48, 20, torch.float32, False),          # one row
     (33, 64, 96, torch.float16, True),          # (the interpreter computes bf16 dots wrongly; fp16 stands in)
     (0, 64, 96, torch.float32, False),          # no rows
-    (20, 256, 40, torch.float32, False),        # one tile for 3 programs: tma_split_tail's 3 pieces of its K
-    (150, 96, 400, torch.float32, True),        # 8 tiles: 2 whole waves, then 2 tiles split, 2 pieces a program
+    (20, 1024, 40, torch.float32, False),       # one tile for 3 programs: tma_split_tail's 3 pieces of its K
+    (150, 512, 400, torch.float32, True),       # 8 tiles: 2 whole waves, then 2 tiles in 3 pieces, 2 in program 1
+    (150, 96, 400, torch.float32, True),        # the same with K too short to split: the 2 tiles whole
     pytest.param(1000, 1024, 3000, torch.bfloat16, True, marks=on_gpu),      # edges in M and N, 128 x 256 tiles
     pytest.param(2048, 4096, 7168, torch.bfloat16, True, marks=on_gpu),      # bench_gemm.py's d tp2 AG
     pytest.param(16384, 8192, 4096, torch.bfloat16, True, marks=on_gpu),     # its largest M (c tp2 AG)
@@ -202,7 +203,7 @@ def test_small_m_kernels_compile_for_sm90():
 
 
 COMPILE_TILE_LOOP_FOR_SM90 = r"""
-from moe_ep.kernels.matmul import fused_tile_config, matmul_kernel
+from moe_ep.kernels.matmul import MIN_SPLIT_BLOCKS, fused_tile_config, matmul_kernel
 from sm90 import compile_for_sm90
 
 for rows in (128, 512):                     # bench_tp's decode rows: small-M tiles, then tile_config's
@@ -210,7 +211,8 @@ for rows in (128, 512):                     # bench_tp's decode rows: small-M ti
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for split in (False, True):
         constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], EVEN_K=True, TMA=True,
-                         W_KMAJOR=True, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=split, out_desc=None)
+                         W_KMAJOR=True, FLATTEN=False, STORE_TMA=False, SPLIT_TAIL=split, MIN_PIECE=MIN_SPLIT_BLOCKS,
+                         out_desc=None)
         types = dict(a="*bf16", w="*bf16", out="*bf16", partials="*fp32", counts="*i32",
                      a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>")
         compiled = compile_for_sm90(matmul_kernel, types, constants, num_warps=config["num_warps"],

@@ -333,18 +333,21 @@ def tail_program(step, steps, work, deal):
 def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk, stride_wn,
                 programs, tiles_m, tiles_n, first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                W_KMAJOR: tl.constexpr, STORE_TMA: tl.constexpr):
+                W_KMAJOR: tl.constexpr, STORE_TMA: tl.constexpr, MIN_PIECE: tl.constexpr):
     """Tiles `first` .. tiles - 1 of out = a @ w, fewer than the programs: the partial last wave of the tile
     loop, which would leave the other programs idle for a whole tile's time. Their K steps (BLOCK_K each,
-    tile after tile: `work` of them) are dealt out evenly over min(programs, work) programs, so a program's
-    share is no longer than a tile's K and spans at most two tiles. Each program stores the fp32 sum of each piece in
-    its slot of `partials` [programs * 2, BLOCK_M * BLOCK_N] (slot 2p + j: program p's j-th piece) and counts
-    the piece in its tile's word of `counts` [tiles - first] int32 (zeros at launch); the program that
-    counts a tile's last piece, whichever it is, adds the tile's pieces in K order (the same bits on every
-    call and GPU of the same program count) and stores the tile. Nothing waits for another program."""
+    tile after tile: `work` of them) are dealt out evenly over `deal` programs: as many as give each at least
+    MIN_PIECE steps (a piece's pipeline fills once; and a tile in many pieces would leave one program to add
+    them all), at most all of them, at least one a tile. So a program's share is no longer than a tile's K and
+    spans at most two tiles. A piece that is a whole tile is stored as the loop stores tiles. Each other piece's
+    fp32 sum goes into its program's slot of `partials` [programs * 2, BLOCK_M * BLOCK_N] (slot 2p + j: program
+    p's j-th piece) and is counted in its tile's word of `counts` [tiles - first] int32 (zeros at launch); the
+    program that counts a tile's last piece, whichever it is, adds the tile's pieces in K order (the same bits
+    on every call and GPU of the same program count) and stores the tile. Nothing waits for another program."""
     steps = tl.cdiv(K, BLOCK_K)
-    work = (tiles_m * tiles_n - first) * steps
-    deal = tl.minimum(programs, work)
+    tail = tiles_m * tiles_n - first
+    work = tail * steps
+    deal = tl.maximum(tail, tl.minimum(programs, work // MIN_PIECE))
     pid = tl.program_id(0)
     start = pid * work // deal
     end = tl.where(pid < deal, (pid + 1) * work // deal, start)
@@ -356,16 +359,19 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
             pid_m, pid_n = tile_coords(first + u, tiles_m, tiles_n, GROUP_M)
             acc = gemm_slice(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
                              start - u * steps, stop - u * steps, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            tl.store(partials + (pid * 2 + j) * (BLOCK_M * BLOCK_N) + offs, acc)
-            tl.debug_barrier()                   # every thread's piece stored before the count releases it
             q_first = tail_program(u * steps, steps, work, deal)
             q_last = tail_program((u + 1) * steps - 1, steps, work, deal)
-            if tl.atomic_add(counts + u, 1, sem="acq_rel", scope="gpu") == q_last - q_first:
-                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for q in range(q_first, q_last + 1):     # a tile is program q's second piece where q began before it
-                    slot = q * 2 + (q * work // deal < u * steps).to(tl.int32)
-                    total += tl.load(partials + slot * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-                store_tile(out, out_desc, pid_m, pid_n, total, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
+            if q_first == q_last:
+                store_tile(out, out_desc, pid_m, pid_n, acc, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
+            else:
+                tl.store(partials + (pid * 2 + j) * (BLOCK_M * BLOCK_N) + offs, acc)
+                tl.debug_barrier()               # every thread's piece stored before the count releases it
+                if tl.atomic_add(counts + u, 1, sem="acq_rel", scope="gpu") == q_last - q_first:
+                    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                    for q in range(q_first, q_last + 1):  # a tile is program q's second piece where q began before it
+                        slot = q * 2 + (q * work // deal < u * steps).to(tl.int32)
+                        total += tl.load(partials + slot * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+                    store_tile(out, out_desc, pid_m, pid_n, total, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
             start = stop
 
 
@@ -373,12 +379,14 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
 def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk, stride_wn,
                   programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                  FLATTEN: tl.constexpr, STORE_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr):
+                  FLATTEN: tl.constexpr, STORE_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr,
+                  MIN_PIECE: tl.constexpr):
     """out [M, N] = a [M, K] @ w [K, N] (a row-major, w any strides), the persistent tile loop of the
     fused kernels. TMA: a_desc over a in [BLOCK_M, BLOCK_K] boxes, w_desc over w in [BLOCK_K, BLOCK_N]
     boxes or, W_KMAJOR, over w.T [N, K] in [BLOCK_N, BLOCK_K] boxes (else both None). STORE_TMA: out
     stored through out_desc (``store_tile_tma``), else with pointers. SPLIT_TAIL: the loop runs the whole
-    waves of tiles, one a program, and ``matmul_tail`` the rest (partials and counts are its buffers)."""
+    waves of tiles, one a program, and ``matmul_tail`` the rest in pieces of at least MIN_PIECE K steps
+    (partials and counts are its buffers)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
@@ -392,7 +400,7 @@ def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K
         if whole < tiles:
             matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, stride_am, stride_wk,
                         stride_wn, programs, tiles_m, tiles_n, whole, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                        TMA, W_KMAJOR, STORE_TMA)
+                        TMA, W_KMAJOR, STORE_TMA, MIN_PIECE)
 
 
 def describable(t: torch.Tensor) -> bool:
@@ -451,15 +459,17 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
                                                                                 W_KMAJOR=False)
     out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
     tiles = cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+    options = dict(options, SPLIT_TAIL=options["SPLIT_TAIL"] and tiles % programs > 0)   # else the loop alone
     grid = programs if options["SPLIT_TAIL"] else min(programs, tiles)
     partials = counts = out                    # read only by a split tail
-    if options["SPLIT_TAIL"] and tiles % grid:
+    if options["SPLIT_TAIL"]:
         partials = torch.empty((2 * grid, config["BLOCK_M"] * config["BLOCK_N"]), dtype=torch.float32,
                                device=a.device)
         counts = torch.zeros(tiles % grid, dtype=torch.int32, device=a.device)
     matmul_kernel[(grid,)](a=a, w=w, out=out, out_desc=out_desc, partials=partials, counts=counts, M=m, N=n, K=k,
                            stride_am=a.stride(0), stride_wk=w.stride(0), stride_wn=w.stride(1), programs=grid,
-                           EVEN_K=k % config["BLOCK_K"] == 0, **descriptors, **{**config, **options})
+                           EVEN_K=k % config["BLOCK_K"] == 0, MIN_PIECE=MIN_SPLIT_BLOCKS, **descriptors,
+                           **{**config, **options})
     return out
 
 
