@@ -94,6 +94,15 @@ def calls() -> dict:
             ("row layer", "never"): lambda: layers["layer_ours"](a)}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/out")
@@ -113,9 +122,7 @@ def main():
                     row["never_over_inline"] = row["never"] / row["inline"]
                 row["never_minus_plain"] = row["never"] - row["plain"]
                 rows.append(row)
-    meta = {"cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                         if line.startswith("model name")), "unknown") if os.path.exists("/proc/cpuinfo") else "unknown",
-            "torch": torch.__version__, "rounds": args.rounds, "sweep_bytes": SWEEP_BYTES}
+    meta = {"cpu": cpu_name(), "torch": torch.__version__, "rounds": args.rounds, "sweep_bytes": SWEEP_BYTES}
     with open(os.path.join(args.out, "host.json"), "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
     columns = ["op", "caches", "inline", "plain", "never", "never_minus_plain", "never_over_inline"]

@@ -1,4 +1,5 @@
-"""benchmarks/bench_host.py runs on a CPU (the fake process group, a few rounds) and reports every row, cold and warm."""
+"""The host-time benchmarks on a CPU: bench_host.py (the fake process group, a few rounds) reports every row, cold
+and warm; bench_all_to_all.py --host-only every decode size."""
 import json
 import os
 import subprocess
