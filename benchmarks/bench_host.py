@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -109,6 +110,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    warnings.simplefilter("ignore", FutureWarning)     # newer torch's renames of the inline column's collectives
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     fns = calls()
     rows = []
