@@ -73,7 +73,7 @@ GROUPED_CANDIDATES = [*((v, v, None, ("bf16", "fp8")) for v in ("pointer", "tma"
 # 128 x 256 x 64 tiles and specializations) and times 24 calls of at most 3 ms a shape and variant; the
 # grouped GEMM compiles 20 kernels (K and N are constexpr: 2 shapes x decode/prefill tiles x bf16, 2
 # shapes x FP8, x 3 variants, fewer where they share) and makes and quantizes DeepSeek-V3's 15 GB of
-# weights. --full: the other tile-loop variant (tma_flat), and the grouped tile candidates at the
+# weights. --full: the other tile-loop variants (tma_flat, tma_split_tail), and the grouped tile candidates at the
 # prefill rows.
 def tile_loop_passes(full: bool) -> list[tuple[str, ...]]:
     """The tile-loop variants measured together over every shape, pass after pass: the fused kernels'
