@@ -205,7 +205,7 @@ def program_barrier(arrivals, rank, world, timeout_ns, status, state, WORLD_PAD:
 @triton.jit
 def program_tiles(M, N, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tiles of [M, N] (tiles_m, tiles_n, tiles) and how many of them this program of a persistent grid of
-    `programs` runs, `mine`: tiles pid, pid + programs, ... (gemm_ar's, gemm_rs_rows')."""
+    `programs` runs, `mine`: tiles pid, pid + programs, ... (gemm_ar's, gemm_rs_rows', matmul_kernel's)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
@@ -322,9 +322,15 @@ def store_tile(out, out_desc, pid_m, pid_n, acc, M, N, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def tail_program(step, steps, work, deal):
-    """The program whose share of a split tail (``matmul_tail``) holds K step `step` (of `work`, dealt over
-    `deal` programs, program p taking [p * work // deal, (p + 1) * work // deal)): the last p whose share
+def share_start(p, work, deal):
+    """The first K step of program p's share of a split tail (``matmul_tail``): `work` steps dealt over `deal`
+    programs, program p taking [share_start(p), share_start(p + 1))."""
+    return p * work // deal
+
+
+@triton.jit
+def tail_program(step, work, deal):
+    """The program whose share of a split tail holds K step `step` (``share_start``): the last p whose share
     starts at or before it."""
     return ((step + 1) * deal - 1) // work
 
@@ -349,8 +355,8 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
     work = tail * steps
     deal = tl.maximum(tail, tl.minimum(programs, work // MIN_PIECE))
     pid = tl.program_id(0)
-    start = pid * work // deal
-    end = tl.where(pid < deal, (pid + 1) * work // deal, start)
+    start = share_start(pid, work, deal)
+    end = tl.where(pid < deal, share_start(pid + 1, work, deal), start)
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     for j in range(0, 2):
         if start < end:
@@ -359,8 +365,8 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
             pid_m, pid_n = tile_coords(first + u, tiles_m, tiles_n, GROUP_M)
             acc = gemm_slice(a, stride_am, a_desc, 0, w, stride_wk, stride_wn, w_desc, pid_m, pid_n, M, N, K,
                              start - u * steps, stop - u * steps, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, W_KMAJOR)
-            q_first = tail_program(u * steps, steps, work, deal)
-            q_last = tail_program((u + 1) * steps - 1, steps, work, deal)
+            q_first = tail_program(u * steps, work, deal)
+            q_last = tail_program((u + 1) * steps - 1, work, deal)
             if q_first == q_last:
                 store_tile(out, out_desc, pid_m, pid_n, acc, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
             else:
@@ -369,7 +375,7 @@ def matmul_tail(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K, 
                 if tl.atomic_add(counts + u, 1, sem="acq_rel", scope="gpu") == q_last - q_first:
                     total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                     for q in range(q_first, q_last + 1):  # a tile is program q's second piece where q began before it
-                        slot = q * 2 + (q * work // deal < u * steps).to(tl.int32)
+                        slot = q * 2 + (share_start(q, work, deal) < u * steps).to(tl.int32)
                         total += tl.load(partials + slot * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
                     store_tile(out, out_desc, pid_m, pid_n, total, M, N, BLOCK_M, BLOCK_N, STORE_TMA)
             start = stop
@@ -387,9 +393,7 @@ def matmul_kernel(a, a_desc, w, w_desc, out, out_desc, partials, counts, M, N, K
     stored through out_desc (``store_tile_tma``), else with pointers. SPLIT_TAIL: the loop runs the whole
     waves of tiles, one a program, and ``matmul_tail`` the rest in pieces of at least MIN_PIECE K steps
     (partials and counts are its buffers)."""
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tiles_m * tiles_n
+    tiles_m, tiles_n, tiles, _ = program_tiles(M, N, programs, BLOCK_M, BLOCK_N)
     whole = tiles - tiles % programs if SPLIT_TAIL else tiles
     for t in tl.range(tl.program_id(0), whole, programs, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(t, tiles_m, tiles_n, GROUP_M)
