@@ -172,7 +172,10 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
     except Exception as e:
         row["auto_path"] = failure(e)
     gemm_a = gathered if op == "ag_gemm" else a
-    config = fused_tile_config(m if op == "gemm_ar" else m // world, w.shape[1], 2)   # the fused kernels' tiles
+    shard_rows, shards = (m, 1) if op == "gemm_ar" else (m // world, world)    # the fused kernels' tiles:
+    config = fused_tile_config(shard_rows, w.shape[1], 2, tp._programs, shards)
+    if op == "gemm_rs":                                                      # over all rows where it takes them
+        config = tp.launches.rs_rows(m, w.shape[1], 2) or config
     triton_gemm = lambda: matmul(gemm_a, w, tp._programs, config)            # noqa: E731
     triton_tma = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma")   # noqa: E731
     triton_split = lambda: matmul(gemm_a, w, tp._programs, config, variant="tma_split_tail")   # noqa: E731

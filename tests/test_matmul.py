@@ -11,9 +11,9 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import (FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_ROWS, SMALL_M_TILES, VARIANTS,
-                                   fused_tile_config, loads_through_descriptors, matmul, matmul_small_m,
-                                   small_m_config, tile_config)
+from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_ROWS, SMALL_M_TILES,
+                                   VARIANTS, fused_tile_config, loads_through_descriptors, matmul, matmul_small_m,
+                                   small_m_config, small_m_tile, tile_config)
 from moe_ep.tp.config import MIN_TILE
 from sm90 import run_without_interpreter
 
@@ -135,10 +135,9 @@ def test_small_m_matches_torch(m, k, n, transposed, config, variant, bf16_dots):
                                    (256, 8192, 7168), (64, 8192, 3584), (1, 8192, 1024), (3, 1000, 64), (300, 512, 64)])
 def test_split_rule(m, k, n):
     """small_m_config's rule: the most K slices that still fit one program an SM, each of at least
-    MIN_SPLIT_BLOCKS BLOCK_K steps, one slice where there is no such split; the tile by the rows."""
+    MIN_SPLIT_BLOCKS BLOCK_K steps, one slice where there is no such split; small_m_tile's tile."""
     config = small_m_config(m, n, k, 2, SMS)
-    tile = next(tile for rows, tile in SMALL_M_TILES if rows is None or m <= rows)
-    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == (tile["BLOCK_M"], tile["BLOCK_N"], 128)
+    assert {key: config[key] for key in config if key != "splits"} == small_m_tile(m, n, 2, SMS)
     tiles = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
     blocks, splits = -(-k // config["BLOCK_K"]), config["splits"]
 
@@ -150,14 +149,32 @@ def test_split_rule(m, k, n):
         assert splits == 2
 
 
+@pytest.mark.parametrize("rows,n,shards,tile", [
+    (128, 14336, 1, (128, 128, 64)), (128, 28672, 1, (128, 128, 64)), (128, 7168, 1, (128, 64, 128)),
+    (64, 14336, 1, (64, 128, 128)), (64, 7168, 1, (64, 64, 128)), (64, 7168, 2, (64, 128, 128)),
+    (32, 14336, 1, (32, 128, 128)), (32, 7168, 1, (16, 128, 128)), (1, 7168, 1, (16, 64, 128)),
+    (256, 14336, 1, (128, 256, 64)), (256, 7168, 1, (128, 128, 64)), (128, 3584, 1, (128, 64, 128))])
+def test_small_m_tile_picks_the_widest_that_keeps_the_sms_busy(rows, n, shards, tile):
+    """small_m_tile on an H200's 132 SMs at bench_tp's decode shapes (tensor parallelism 2 and 4 of 28672 and
+    of 8192 x 28672), with the tiles measured best there (SMALL_M_TILES' comment); the rule behind them:
+    the first candidate with BUSY_SMS of the programs' worth of tiles, else the last."""
+    config = small_m_tile(rows, n, 2, SMS, shards)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == tile
+    candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
+    count = [shards * -(-rows // t["BLOCK_M"]) * -(-n // t["BLOCK_N"]) for t in candidates]
+    busy = [i for i, c in enumerate(count) if c >= BUSY_SMS * SMS]
+    assert config == candidates[busy[0] if busy else -1]
+    assert small_m_tile(rows, n, 4, SMS, shards)["BLOCK_K"] == tile[2] // 2      # the same bytes of a row
+
+
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_fused_tiles(element_size):
     """The fused kernels' tiles: small_m_config's (no split) for 2-byte operands up to SMALL_M_ROWS rows,
     tile_config's otherwise, at every row count up to 300 and widths on both sides of tile_config's 2048;
     never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
     for rows in range(1, 301):
-        for n in (64, 2047, 2048, 7168):
-            config = fused_tile_config(rows, n, element_size)
+        for n in (64, 2047, 2048, 7168, 28672):
+            config = fused_tile_config(rows, n, element_size, SMS)
             if rows <= SMALL_M_ROWS and element_size == 2:
                 small = {k: v for k, v in small_m_config(rows, n, 8192, element_size, SMS).items() if k != "splits"}
                 assert {k: config[k] for k in small} == small, (rows, n)
@@ -176,11 +193,10 @@ def test_small_m_refuses_what_it_cannot_run():
 
 
 COMPILE_FOR_SM90 = r"""
-from moe_ep.kernels.matmul import SMALL_M_TILES, matmul_split_k_kernel, sum_splits_kernel, small_m_config
+from moe_ep.kernels.matmul import SMALL_M_TILES, matmul_split_k_kernel, sum_splits_kernel
 from sm90 import compile_for_sm90
 
-for rows, _ in SMALL_M_TILES:
-    config = small_m_config(rows or 256, 7168, 8192, 2, 132)
+for config in {tuple(tile.items()): tile for _, tiles in SMALL_M_TILES for tile in tiles}.values():
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for tma in (False, True):
         descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
@@ -199,7 +215,8 @@ def test_small_m_kernels_compile_for_sm90():
     """matmul_split_k_kernel with every tile of SMALL_M_TILES, both ways of loading, and sum_splits_kernel
     compile to cubins for sm_90 (Triton's PTX and ptxas; no GPU needed), outside the interpreter."""
     lines = run_without_interpreter(COMPILE_FOR_SM90, timeout=600).splitlines()
-    assert len(lines) == 2 * len(SMALL_M_TILES) + 1 and lines[-1] == "sum_splits_kernel"
+    tiles = {tuple(tile.values()) for _, tiles in SMALL_M_TILES for tile in tiles}
+    assert len(lines) == 2 * len(tiles) + 1 and lines[-1] == "sum_splits_kernel"
 
 
 COMPILE_TILE_LOOP_FOR_SM90 = r"""
@@ -207,7 +224,7 @@ from moe_ep.kernels.matmul import MIN_SPLIT_BLOCKS, fused_tile_config, matmul_ke
 from sm90 import compile_for_sm90
 
 for rows in (128, 512):                     # bench_tp's decode rows: small-M tiles, then tile_config's
-    config = fused_tile_config(rows, 28672, 2)
+    config = fused_tile_config(rows, 28672, 2, 132)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for split in (False, True):
         constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], EVEN_K=True, TMA=True,
@@ -225,6 +242,6 @@ def test_tile_loop_compiles_for_sm90():
     """matmul_kernel on TMA, with and without its split tail, at bench_tp's decode tiles, compiles to cubins for
     sm_90 outside the interpreter; the tail's buffers take no shared memory of the tile loop's."""
     lines = [line.split() for line in run_without_interpreter(COMPILE_TILE_LOOP_FOR_SM90, timeout=600).splitlines()]
-    assert [line[:3] for line in lines] == [["128", "64", "False"], ["128", "64", "True"], ["128", "256", "False"],
+    assert [line[:3] for line in lines] == [["128", "128", "False"], ["128", "128", "True"], ["128", "256", "False"],
                                             ["128", "256", "True"]], lines
     assert lines[0][3] == lines[1][3] and lines[2][3] == lines[3][3], lines

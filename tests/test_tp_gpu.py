@@ -257,7 +257,7 @@ def _pipelines(rank, world):
     ranks' rows. Three calls of each on fresh inputs against the reference; the all-reduce's sum the same on
     every rank bit for bit."""
     fp32_reductions()
-    rows, k, n = 128, 256, 28672
+    rows, k, n = 128, 256, 57344
     tp = AsyncTP(world * rows, n, overlap="fused")
     for call in range(3):
         a, w = operands(rank, world, rows, k, n, torch.bfloat16, True, seed=40 + call)
@@ -266,7 +266,7 @@ def _pipelines(rank, world):
         assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
         expect(tp, "gemm_rs", tp.gemm_rs(a, w), a, w, lambda m: f"fused gemm_rs over all rows, call {call}: {m}")
     config = tp.launches.rs_rows(rows, n, 2)
-    assert config == fused_tile_config(rows, n, 2), "M = 128 is a decode step's: the reduce-scatter over all rows"
+    assert config == fused_tile_config(rows, n, 2, tp.launches.programs), "M = 128 is a decode step's: the reduce-scatter over all rows"
     tiles = tp.launches.all_rows_tiles(rows, n, config)
     assert tiles > 3 * tp.launches.programs, f"{tiles} tiles for {tp.launches.programs} programs"
     tp.check()

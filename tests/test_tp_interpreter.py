@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_ep import AsyncTP, CommTimeoutError
-from moe_ep.kernels.matmul import FUSED_VARIANTS, fused_tile_config
+from moe_ep.kernels.matmul import FUSED_VARIANTS, SMALL_M_TILES, fused_tile_config
 from sm90 import run_without_interpreter
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -92,7 +92,7 @@ def run_gemm_rs(ranks, a, ws, path):
     world, (m, _), n = len(ranks), a[0].shape, ws[0].shape[1]
     launches = ranks[0].launches
     all_rows = launches.rs_rows(m, n, a[0].element_size())
-    config = fused_tile_config(m // world, n, a[0].element_size())
+    config = fused_tile_config(m // world, n, a[0].element_size(), launches.programs, world)
     outs = [torch.empty((m // world, n), dtype=a[0].dtype) for _ in ranks]
     if path == "fused" and all_rows is not None:      # its barrier in the kernel: no reset
         for step in range(launches.steps(launches.all_rows_tiles(m, n, all_rows), 2)):
@@ -178,9 +178,9 @@ def run_gemm_ar(ranks, a, ws):
     """The fused GEMM all-reduce of every rank in `ranks` (a, ws: theirs, in order), its pipeline run step by
     step: each step on every rank before the next, so a wait for what a peer sends at a later step times out."""
     m, n = a[0].shape[0], ws[0].shape[1]
-    config = fused_tile_config(m, n, a[0].element_size())
-    outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     launches = ranks[0].launches
+    config = fused_tile_config(m, n, a[0].element_size(), launches.programs)
+    outs = [torch.empty((m, n), dtype=a[0].dtype) for _ in ranks]
     for step in range(launches.steps(launches.all_rows_tiles(m, n, config), 3)):
         for r, tp in enumerate(ranks):
             tp.launches.gemm_ar(a[r], ws[r], outs[r], config, step, step + 1)
@@ -218,7 +218,7 @@ def test_gemm_all_reduce(case, tile_loop):
 def test_all_reduce_partials_that_never_land_time_out():
     ranks = simulated_group(2, 8, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    config = fused_tile_config(4, 8, 4)
+    config = fused_tile_config(4, 8, 4, ranks[0].launches.programs)
     ranks[1].launches.gemm_ar(a, w, torch.empty(4, 8), config, 0, 1)   # rank 1 begins the call, then idles
     ranks[0].launches.gemm_ar(a, w, torch.empty(4, 8), config)
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce .* waiting for rank 1"):
@@ -231,7 +231,8 @@ def test_a_sum_that_times_out_is_not_sent():
     too (naming rank 0) rather than copy a sum that lacks rank 2's partial."""
     ranks = simulated_group(3, 12, 16, torch.float32, timeout_s=0.2)
     a, w = torch.randn(4, 16), torch.randn(16, 8)
-    ranks[2].launches.gemm_ar(a, w, torch.empty(4, 8), fused_tile_config(4, 8, 4), 0, 1)   # its arrival only
+    config = fused_tile_config(4, 8, 4, ranks[2].launches.programs)
+    ranks[2].launches.gemm_ar(a, w, torch.empty(4, 8), config, 0, 1)   # its arrival only
     run_gemm_ar(ranks[:2], [a, a], [w, w])
     with pytest.raises(CommTimeoutError, match=r"rank 0: GEMM all-reduce \(waiting for a peer's partials\) .* "
                                                r"waiting for rank 2"):
@@ -284,7 +285,7 @@ def pipelined_8x8(tp, op):
     [8, 16] @ [16, 8] in fp32 on a group of two."""
     if op == "gemm_rs_rows":
         return tp.launches.rs_rows(8, 8, 4), torch.empty(4, 8)
-    return fused_tile_config(8, 8, 4), torch.empty(8, 8)
+    return fused_tile_config(8, 8, 4, tp.launches.programs), torch.empty(8, 8)
 
 
 @pytest.mark.parametrize("op", ["gemm_ar", "gemm_rs_rows"])
@@ -339,7 +340,7 @@ from sm90 import compile_for_sm90
 aligned = ("a", "w", "out", "partials", "partial_peers", "flags", "flag_peers", "arrivals", "arrival_peers", "state",
            "N", "K", "stride_am", "stride_wn")          # what a call with weight.t() of a layer passes
 for rows in (128, 512):                        # matmul_small_m's tiles, the tile loop's
-    config = fused_tile_config(rows, 28672, 2)
+    config = fused_tile_config(rows, 28672, 2, 132)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for tma in (False, True):
         descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
@@ -366,3 +367,36 @@ def test_pipelined_kernels_compile_for_sm90():
     lines = run_without_interpreter(COMPILE_PIPELINED, timeout=900).splitlines()
     assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.b64 st.global.v4.b32" for rows in (128, 512)
                      for loop in ("pointer", "tma") for name in ("gemm_ar_kernel", "gemm_rs_rows_kernel")]
+
+
+COMPILE_FUSED_TILES = r"""
+from moe_ep.kernels.ag_gemm import ag_gemm_kernel
+from moe_ep.kernels.gemm_ar import gemm_ar_kernel
+from moe_ep.kernels.gemm_rs import gemm_rs_kernel, gemm_rs_rows_kernel
+from moe_ep.kernels.matmul import GROUP_M, SMALL_M_TILES
+from sm90 import compile_for_sm90
+
+for tile in {tuple(tile.items()): tile for _, tiles in SMALL_M_TILES for tile in tiles}.values():
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    types = dict(a="*bf16", a_local="*bf16", gathered="*bf16", w="*bf16", out="*bf16", partials="*bf16",
+                 partial_peers="*i64", flags="*i64", flag_peers="*i64", arrivals="*i64", arrival_peers="*i64",
+                 state="*i64", status_addr="i64", timeout_ns="i64", a_desc=f"tensordesc<bf16[{bm}, {bk}]>",
+                 gathered_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>")
+    constants = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, EVEN_K=True, TMA=True, W_KMAJOR=True,
+                     WORLD_PAD=4)
+    for kernel in (ag_gemm_kernel, gemm_rs_kernel, gemm_rs_rows_kernel, gemm_ar_kernel):
+        names = {p.name for p in kernel.params}
+        compiled = compile_for_sm90(kernel, types, {k: v for k, v in constants.items() if k in names},
+                                    num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+        print(kernel.fn.__name__, bm, bn, bk, compiled.metadata.shared)
+"""
+SM90_SHARED_BYTES = 232448     # what a block may take on an H100 / H200 (227 KB)
+
+
+def test_fused_kernels_fit_every_small_m_tile_on_sm90():
+    """Every fused kernel with every tile small_m_tile may hand it (TMA loads) compiles for sm_90 within a
+    block's shared memory: a tile that does not fit fails only at launch, on a GPU."""
+    lines = [line.split() for line in run_without_interpreter(COMPILE_FUSED_TILES, timeout=600).splitlines()]
+    tiles = {tuple(tile.values()) for _, tiles in SMALL_M_TILES for tile in tiles}
+    assert len(lines) == 4 * len(tiles), lines
+    assert all(0 < int(line[-1]) <= SM90_SHARED_BYTES for line in lines), lines

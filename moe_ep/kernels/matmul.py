@@ -34,12 +34,13 @@ waves run in the time of 4, and the loop measured 0.86x cuBLAS there. ``matmul``
 every program (``matmul_tail``: the pieces of a tile summed in K order by whichever program finishes its
 last one); the fused kernels do not split yet.
 
-The tile shapes depend only on the problem's sizes and dtype, never on the rank: tile ids are
-part of the protocol between ranks (GEMM-RS signals one flag per tile).
+The tile shapes depend only on the problem's sizes, dtype and program count, never on the rank: tile
+ids are part of the protocol between ranks (GEMM-RS signals one flag per tile).
 
 Up to SMALL_M_ROWS rows a GEMM is mostly a read of the weights, and 128 x 256 tiles leave most SMs idle
-(M = 128, N = 7168: 28 tiles for 132 SMs). ``matmul_small_m`` is the GEMM for those: narrow tiles
-(SMALL_M_TILES), one a program, every SM streaming its own strip of the weights; where even those tiles
+(M = 128, N = 7168: 28 tiles for 132 SMs). The fused kernels and ``matmul_small_m`` take the widest
+tiles of SMALL_M_TILES that still keep the SMs streaming their own strips of the weights
+(``small_m_tile``); ``matmul_small_m`` runs one a program, and where even the narrowest tiles
 are fewer than the SMs it splits K (``small_m_config``'s rule) and a second kernel sums the slices'
 fp32 partials in a fixed order (``sum_splits_kernel``), so its results are deterministic. Its K loop is
 the tile loop's over a range of K blocks (``gemm_slice``), loading either way.
@@ -484,41 +485,53 @@ SMALL_M_ROWS = 256         # rows up to which matmul_small_m beats matmul's tile
                            # (where the tile loop has fewer tiles than SMs, N = 3584 at 512 rows, this path still wins)
 MIN_SPLIT_BLOCKS = 8       # BLOCK_K steps a K slice keeps at least: its pipeline (3-6 stages) fills in 2-5
 SUM_BLOCK = 1024           # elements per program of sum_splits_kernel: 4 warps, 8 a thread
-# Tiles of matmul_small_m by rows, (most rows, tile); BLOCK_K is 256 bytes of a row (128 in bf16). Measured on an
-# H200 against cuBLAS at K x N of 2048-8192 x 7168-8192 (bench_gemm.py --small_m; benchmarks/NOTES.md). Up to 64
-# rows the weights are all that moves, and a program streams a 64-column strip of them over all of K (N = 7168:
-# 112 programs) with 4-6 stages of 20-32 KB in flight: 16-row blocks up to 32 rows (at 32, two of them: twice
-# the programs, the second reading its weights from L2; 0.95-0.99x, where one 32-row block gave 0.88-0.95x),
-# 64-row blocks above (0.96-1.03x). 128 rows: 128 x 64 tiles with 4 stages (192 KB, one program an SM),
-# 0.94-0.98x. More: 128 x 128 x 128 tiles, two row blocks side by side (the second reads the weights from L2),
-# 0.78-0.85x at 256 rows: one tile an SM, 112-128 tiles for 132 SMs, leaves the tensor cores short of cuBLAS's
-# rate (split K costs more than the idle SMs: see small_m_config).
-SMALL_M_K_BYTES = 256     # BLOCK_K of every small-M tile, in bytes of a row: 128 columns in bf16 (see above)
+
+
+def small_tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+# Tiles of the small-M GEMMs by rows: (most rows, candidates from the widest), BLOCK_K in bf16 columns (other
+# dtypes keep its bytes). Up to SMALL_M_ROWS rows a GEMM is mostly a read of the weights, and a's rows come again
+# from L2 for every column block: M / BLOCK_N times the weights' bytes, twice them at 128 x 64 tiles. So the widest
+# tile pays while there are enough of them for the SMs to stream the weights; ``small_m_tile`` takes the first
+# candidate with at least BUSY_SMS of the programs' worth of tiles, else the last (the most tiles). Measured on an
+# H200 (132 SMs), the tile loop on every SM in CUDA graphs against cuBLAS, x cuBLAS (benchmarks/NOTES.md, "Wider
+# tiles at decode sizes"), the chosen first:
+# - 32 rows: 32 x 128 at N 14336 (112 tiles) 1.03, where 16 x 64 gave 0.67; 16 x 128 (two row blocks) at N 7168
+#   (112 tiles) 1.00, where 32 x 128 (56 tiles) gave 0.87 and 16 x 64 0.70. Up to 16 rows one 16-row block.
+# - 64 rows: 64 x 128 at N 14336 1.08 (64 x 64: 0.94); 64 x 64 at N 7168 0.98 (64 x 128, 56 tiles: 0.94).
+# - 128 rows: 128 x 128 x 64 with 8 warps and 5 stages at N 14336 1.00, N 28672 (224 tiles, K 2048 / 4096)
+#   0.96 / 1.01, where 128 x 64 gave 0.86 and 0.84 / 0.87; 128 x 64 at N 7168 0.91 (128 x 128, 56 tiles: 0.73).
+# - up to 256 rows: 128 x 256 at N 14336 / 28672 0.94 / 0.95 (128 x 128 x 128: 0.81 / 0.84); 128 x 128 x 64 at
+#   N 7168 0.90 (128 x 256, 56 tiles: 0.55).
 SMALL_M_TILES = (
-    (32, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
-    (128, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)),
-    (None, dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+    (16, (small_tile(16, 128, 128, 4, 6), small_tile(16, 64, 128, 4, 6))),
+    (32, (small_tile(32, 128, 128, 4, 4), small_tile(16, 128, 128, 4, 6), small_tile(16, 64, 128, 4, 6))),
+    (64, (small_tile(64, 128, 128, 4, 4), small_tile(64, 64, 128, 4, 4))),
+    (128, (small_tile(128, 128, 64, 8, 5), small_tile(128, 64, 128, 4, 4))),
+    (None, (small_tile(128, 256, 64, 8, 3), small_tile(128, 128, 64, 8, 5))),
 )
+BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.87x)
 
 
-def fused_tile_config(rows: int, n: int, element_size: int) -> dict:
-    """The tiles of a fused kernel (ag_gemm, gemm_rs, gemm_ar) for a shard of `rows` x `n` outputs: in 2-byte
-    dtypes up to SMALL_M_ROWS rows, matmul_small_m's (SMALL_M_TILES, BLOCK_K 256 bytes of a row: narrow
-    tiles, enough of them for every SM to stream its own strip of the weights; the fused kernels walk all of
-    K, so never a split), else ``tile_config``'s. At decode sizes the tile loop's 128 x 256 tiles leave most
-    SMs idle (M = 128, N = 7168: 28 tiles for 132 SMs) and ran at 0.47-0.62x cuBLAS; matmul_small_m, one
-    narrow tile a program, at 0.94-1.07x up to 128 rows where it split no K (benchmarks/NOTES.md, "The tile
-    loop at small M"). Inside the fused kernels' persistent loop these tiles are not yet measured."""
+def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
+    """SMALL_M_TILES' tile and launch options for `shards` shards of `rows` x `n` outputs on `programs`
+    programs: the widest candidate for the rows with at least BUSY_SMS * programs tiles, else the narrowest."""
+    candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
+    tile = next((t for t in candidates
+                 if shards * cdiv(rows, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"]) >= BUSY_SMS * programs), candidates[-1])
+    return dict(tile, BLOCK_K=tile["BLOCK_K"] * 2 // element_size)
+
+
+def fused_tile_config(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
+    """The tiles of a fused kernel (ag_gemm, gemm_rs, gemm_ar) for `shards` shards of `rows` x `n` outputs
+    (ag_gemm's and gemm_rs' per-rank tiles: one a rank) on `programs` programs: in 2-byte dtypes up to
+    SMALL_M_ROWS rows, ``small_m_tile``'s, else ``tile_config``'s. The fused kernels walk all of K, so never a
+    split. Depends on the sizes and the program count only, the same on every rank."""
     if rows > SMALL_M_ROWS or element_size != 2:
         return tile_config(rows, n, element_size)
-    return dict(small_m_tiles(rows, element_size), GROUP_M=GROUP_M)
-
-
-def small_m_tiles(rows: int, element_size: int) -> dict:
-    """SMALL_M_TILES' tile and launch options for `rows` rows, with BLOCK_K SMALL_M_K_BYTES of a row."""
-    tile = next(t for most, t in SMALL_M_TILES if most is None or rows <= most)
-    return dict(tile, BLOCK_K=SMALL_M_K_BYTES // element_size)
+    return dict(small_m_tile(rows, n, element_size, programs, shards), GROUP_M=GROUP_M)
 
 
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
@@ -562,15 +575,15 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
     """Tile shapes, launch options and `splits` (K slices) of matmul_small_m for a [m, k] @ [k, n] with
     `element_size`-byte operands on a GPU of `sms` SMs.
 
-    The tile is SMALL_M_TILES' for m rows. Then the split rule: with tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
+    The tile is ``small_m_tile``'s for m rows on sms programs. Then the split rule: with tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
     and blocks = cdiv(k, BLOCK_K),
         splits = max(1, min(sms // tiles, blocks // MIN_SPLIT_BLOCKS))
     slices of equal whole BLOCK_K steps (the last one shorter): as many as still fit one program an SM,
     each long enough to keep its pipeline full. A split costs splits * m * n fp32 written and read back and
     a second launch (on an H200, 60 -> 75 us at m = 256, n = 7168, k = 8192 in 2 slices), which only more SMs
     at work repay: at n = 3584 (tensor parallelism 8 of 28672) and 128 rows, 56 tiles, 2 slices ran at 0.85x
-    cuBLAS, one at 0.72x; bench_gemm.py's other K x N have 112-256 tiles, one slice."""
-    tiles = small_m_tiles(m, element_size)
+    cuBLAS, one at 0.72x; where small_m_tile finds BUSY_SMS of the SMs' worth of tiles, one slice."""
+    tiles = small_m_tile(m, n, element_size, sms)
     count = cdiv(m, tiles["BLOCK_M"]) * cdiv(n, tiles["BLOCK_N"])
     blocks = cdiv(k, tiles["BLOCK_K"])
     return dict(tiles, splits=max(1, min(sms // max(count, 1), blocks // MIN_SPLIT_BLOCKS)))

@@ -341,7 +341,7 @@ class AsyncTP(runtime.CommObject):
             if config is not None:          # small M: tiles over all rows, the weights read once
                 self.launches.gemm_rs_rows(a, w, out, config)
                 return out
-            config = fused_tile_config(m // self.world, n, a.element_size())
+            config = fused_tile_config(m // self.world, n, a.element_size(), self.launches.programs, self.world)
             self.launches.reset("tile_flags", self.world * self.launches.rs_tiles(m, n, config))
             self.launches.gemm_rs(a, w, out, config, 0, self.world)
         else:
@@ -377,5 +377,5 @@ class AsyncTP(runtime.CommObject):
             return plain.gemm_ar(a, w, self.group)
         m, n = a.shape[0], w.shape[1]
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
-        self.launches.gemm_ar(a, w, out, fused_tile_config(m, n, a.element_size()))
+        self.launches.gemm_ar(a, w, out, fused_tile_config(m, n, a.element_size(), self.launches.programs))
         return out

@@ -72,7 +72,7 @@ class Launches:
         rows, k = a_shard.shape
         n = w.shape[1]
         out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
-        config = fused_tile_config(rows, n, a_shard.element_size())
+        config = fused_tile_config(rows, n, a_shard.element_size(), self.programs, c.world)
         tiles = c.world * cdiv(rows, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
         tma, descriptors = self._loads(a_shard, w, config)
         if tma:                     # the gathered A's between a's and w's
@@ -119,7 +119,7 @@ class Launches:
         """The tiles of gemm_rs over all M rows (``gemm_rs_rows``): fused_tile_config's for M rows, where a
         tile is taller than a rank's M / W rows (tiles over one rank's rows would read the weights once per
         rank) and their flags fit in tile_flags; None where gemm_rs takes tiles over each rank's rows."""
-        config, world = fused_tile_config(m, n, element_size), self.config.world
+        config, world = fused_tile_config(m, n, element_size, self.programs), self.config.world
         flags = world * self.all_rows_tiles(m, n, config)
         return config if config["BLOCK_M"] > m // world and flags <= self.buffers.tile_flags.numel() else None
 
