@@ -251,7 +251,7 @@ def _graphs_replay_fresh_inputs(rank, world):
 
 def _pipelines(rank, world):
     """The fused GEMM all-reduce and the fused reduce-scatter over all rows where every program has several
-    tiles (448 tiles of a decode step's [128, 28672] output for at most 132 programs), so that their
+    tiles (448 tiles of 128 x 128 over [128, 57344], twice a decode step's N, for at most 132 programs), so that their
     pipelines' steps overlap: publish, sum (and the all-reduce's gather) of different tiles in one step, the
     all-reduce's owners rotating along a program's tiles, the reduce-scatter's tiles each holding several
     ranks' rows. Three calls of each on fresh inputs against the reference; the all-reduce's sum the same on
@@ -266,7 +266,8 @@ def _pipelines(rank, world):
         assert same_on_every_rank(out), "fused gemm_ar: the ranks' sums differ"
         expect(tp, "gemm_rs", tp.gemm_rs(a, w), a, w, lambda m: f"fused gemm_rs over all rows, call {call}: {m}")
     config = tp.launches.rs_rows(rows, n, 2)
-    assert config == fused_tile_config(rows, n, 2, tp.launches.programs), "M = 128 is a decode step's: the reduce-scatter over all rows"
+    assert config == fused_tile_config(rows, n, 2, tp.launches.programs), \
+        "M = 128 is a decode step's: the reduce-scatter over all rows"
     tiles = tp.launches.all_rows_tiles(rows, n, config)
     assert tiles > 3 * tp.launches.programs, f"{tiles} tiles for {tp.launches.programs} programs"
     tp.check()

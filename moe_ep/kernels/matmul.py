@@ -575,8 +575,8 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
     """Tile shapes, launch options and `splits` (K slices) of matmul_small_m for a [m, k] @ [k, n] with
     `element_size`-byte operands on a GPU of `sms` SMs.
 
-    The tile is ``small_m_tile``'s for m rows on sms programs. Then the split rule: with tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
-    and blocks = cdiv(k, BLOCK_K),
+    The tile is ``small_m_tile``'s for m rows on sms programs. Then the split rule: with tiles = cdiv(m, BLOCK_M)
+    * cdiv(n, BLOCK_N) and blocks = cdiv(k, BLOCK_K),
         splits = max(1, min(sms // tiles, blocks // MIN_SPLIT_BLOCKS))
     slices of equal whole BLOCK_K steps (the last one shorter): as many as still fit one program an SM,
     each long enough to keep its pipeline full. A split costs splits * m * n fp32 written and read back and
