@@ -28,11 +28,12 @@ The kernels are persistent: `programs` programs walk the tiles of all shards in 
 (``tile = pid, pid + programs, ...``), so a program never starts a tile of a later shard before
 it has finished its tiles of an earlier one. Inside a shard the tiles go in groups of GROUP_M
 row-blocks (the Triton matmul tutorial's L2-friendly order). Where the tiles are not a multiple of the
-programs, the last wave keeps only some SMs busy: at M = 128, 448 tiles of 128 x 64 on 132 SMs are 3.4
-waves run in the time of 4, and the loop measured 0.86x cuBLAS there. ``matmul``'s variant
-"tma_split_tail" runs the whole waves as the loop does and deals the last wave's K steps out evenly over
-every program (``matmul_tail``: the pieces of a tile summed in K order by whichever program finishes its
-last one); the fused kernels do not split yet.
+programs, the last wave keeps only some SMs busy. ``matmul``'s variant "tma_split_tail" runs the whole
+waves as the loop does and deals the last wave's K steps out evenly over every program (``matmul_tail``:
+the pieces of a tile summed in K order by whichever program finishes its last one). On an H200 it did not
+pay where it was meant to (M = 128, 448 tiles of 128 x 64 for 132 SMs: 0.83x cuBLAS, as one program a
+tile): there the bound was a's rows read again from L2 for every column block, which wider tiles removed
+(SMALL_M_TILES). The fused kernels do not split.
 
 The tile shapes depend only on the problem's sizes, dtype and program count, never on the rank: tile
 ids are part of the protocol between ranks (GEMM-RS signals one flag per tile).
@@ -512,7 +513,7 @@ SMALL_M_TILES = (
     (128, (small_tile(128, 128, 64, 8, 5), small_tile(128, 64, 128, 4, 4))),
     (None, (small_tile(128, 256, 64, 8, 3), small_tile(128, 128, 64, 8, 5))),
 )
-BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.87x)
+BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.94x)
 
 
 def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
