@@ -153,11 +153,12 @@ def test_split_rule(m, k, n):
     (128, 14336, 1, (128, 128, 64)), (128, 28672, 1, (128, 128, 64)), (128, 7168, 1, (128, 64, 128)),
     (64, 14336, 1, (64, 128, 128)), (64, 7168, 1, (64, 64, 128)), (64, 7168, 2, (64, 128, 128)),
     (32, 14336, 1, (32, 128, 128)), (32, 7168, 1, (16, 128, 128)), (1, 7168, 1, (16, 64, 128)),
-    (256, 14336, 1, (128, 256, 64)), (256, 7168, 1, (128, 128, 64)), (128, 3584, 1, (128, 64, 128))])
+    (256, 14336, 1, (128, 256, 64)), (256, 7168, 1, (128, 128, 64)), (128, 3584, 1, (128, 64, 128)),
+    (128, 12672, 1, (128, 128, 64)), (128, 12544, 1, (128, 64, 128))])      # 99 tiles of 128 x 128: 3/4 of 132; 98
 def test_small_m_tile_picks_the_widest_that_keeps_the_sms_busy(rows, n, shards, tile):
-    """small_m_tile on an H200's 132 SMs at bench_tp's decode shapes (tensor parallelism 2 and 4 of 28672 and
-    of 8192 x 28672), with the tiles measured best there (SMALL_M_TILES' comment); the rule behind them:
-    the first candidate with BUSY_SMS of the programs' worth of tiles, else the last."""
+    """small_m_tile on an H200's 132 SMs at decode shapes (tensor parallelism 1-8 of 28672 and 8192 x 28672,
+    1-256 rows), with the tiles measured best there (SMALL_M_TILES' comment), and at the threshold; the rule
+    behind them: the first candidate with BUSY_SMS of the programs' worth of tiles, else the last."""
     config = small_m_tile(rows, n, 2, SMS, shards)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == tile
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)

@@ -481,9 +481,9 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
 
 # ---------------------------------------------------------------------------------------------- small M
 
-SMALL_M_ROWS = 256         # rows up to which matmul_small_m beats matmul's tile loop at bench_gemm.py's small-M
-                           # shapes (H200): at 512 rows the tile loop reaches 0.9-1.0x cuBLAS, this path 0.8-0.85x
-                           # (where the tile loop has fewer tiles than SMs, N = 3584 at 512 rows, this path still wins)
+SMALL_M_ROWS = 256         # rows up to which SMALL_M_TILES serve: at 512 rows, bench_gemm.py --small_m (H200, ca451b4),
+                           # the tile loop's 128 x 256 tiles reach 0.91-0.97x cuBLAS, matmul_small_m 0.74-0.81x (where
+                           # the tile loop has fewer tiles than SMs, N = 3584 at 512 rows, 0.52 against 0.86)
 MIN_SPLIT_BLOCKS = 8       # BLOCK_K steps a K slice keeps at least: its pipeline (3-6 stages) fills in 2-5
 SUM_BLOCK = 1024           # elements per program of sum_splits_kernel: 4 warps, 8 a thread
 
@@ -593,10 +593,11 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
 def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | None = None,
                    variant: str = DEFAULT_VARIANT) -> torch.Tensor:
     """a [M, K] (row-major) @ w [K, N] (any strides) -> a new [M, N] tensor in a's dtype, the GEMM for M up to
-    SMALL_M_ROWS: narrow tiles over every SM, K split where they are too few (``small_m_config`` for a GPU
-    of `sms` SMs, or `config`, one of its results), operands loaded as VARIANTS[variant] does (one of
-    FUSED_VARIANTS: there is no tile loop to flatten; "tma" needs what `matmul`'s does, 16-byte aligned
-    rows and w with contiguous rows or columns, and raises ValueError otherwise). The K slices' fp32
+    SMALL_M_ROWS: the widest tiles that still give most SMs one, K split where even the narrowest are too few
+    (``small_m_config`` for a GPU of `sms` SMs, or `config`, one of its results), operands loaded as
+    VARIANTS[variant] does (one of FUSED_VARIANTS: there is no tile loop to flatten; "tma" needs what
+    `matmul`'s does, 16-byte aligned rows and w with contiguous rows or columns, and raises ValueError
+    otherwise). The K slices' fp32
     partial sums [splits, M, N] are added in slice order by a second kernel (sum_splits_kernel) and rounded
     once, so the result depends on the operands and the config alone; one slice stores its tiles straight
     into the result."""
