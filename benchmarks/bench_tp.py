@@ -18,7 +18,7 @@ state) and whatever a call leaves for the next fall on all alike:
               = gemm / triton; the fused path cannot win where this falls much below 1. `triton_tma`:
               the same with the tile loop on tensor descriptors (AsyncTP's tile_loop="tma"); every
               variant on one GPU: benchmarks/bench_gemm.py. `triton_split`: the tile loop with its partial last
-              wave split by K over every program (matmul's "tma_split_tail", not yet in the fused kernels)
+              wave split by K over every program (matmul's "tma_split_tail"; the fused kernels do not split)
   plain       NCCL then cuBLAS (or the reverse; for GEMM-AR cuBLAS then NCCL all-reduce), through
               torch.distributed's calls, as a model would make them: the baseline
   never       moe_ep.AsyncTP, overlap="never": plain's NCCL and cuBLAS through AsyncTP's public method (its

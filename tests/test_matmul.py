@@ -11,9 +11,9 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_ROWS, SMALL_M_TILES,
-                                   VARIANTS, fused_tile_config, loads_through_descriptors, matmul, matmul_small_m,
-                                   small_m_config, small_m_tile, tile_config)
+from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_CANDIDATES, SMALL_M_ROWS,
+                                   SMALL_M_TILES, VARIANTS, fused_tile_config, loads_through_descriptors, matmul,
+                                   matmul_small_m, small_m_config, small_m_tile, tile_config)
 from moe_ep.tp.config import MIN_TILE
 from sm90 import run_without_interpreter
 
@@ -194,10 +194,10 @@ def test_small_m_refuses_what_it_cannot_run():
 
 
 COMPILE_FOR_SM90 = r"""
-from moe_ep.kernels.matmul import SMALL_M_TILES, matmul_split_k_kernel, sum_splits_kernel
+from moe_ep.kernels.matmul import SMALL_M_CANDIDATES, matmul_split_k_kernel, sum_splits_kernel
 from sm90 import compile_for_sm90
 
-for config in {tuple(tile.items()): tile for _, tiles in SMALL_M_TILES for tile in tiles}.values():
+for config in SMALL_M_CANDIDATES:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for tma in (False, True):
         descriptors = (dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>") if tma
@@ -216,8 +216,7 @@ def test_small_m_kernels_compile_for_sm90():
     """matmul_split_k_kernel with every tile of SMALL_M_TILES, both ways of loading, and sum_splits_kernel
     compile to cubins for sm_90 (Triton's PTX and ptxas; no GPU needed), outside the interpreter."""
     lines = run_without_interpreter(COMPILE_FOR_SM90, timeout=600).splitlines()
-    tiles = {tuple(tile.values()) for _, tiles in SMALL_M_TILES for tile in tiles}
-    assert len(lines) == 2 * len(tiles) + 1 and lines[-1] == "sum_splits_kernel"
+    assert len(lines) == 2 * len(SMALL_M_CANDIDATES) + 1 and lines[-1] == "sum_splits_kernel"
 
 
 COMPILE_TILE_LOOP_FOR_SM90 = r"""

@@ -261,6 +261,11 @@ FUSED_VARIANTS = ("pointer", "tma")     # what the fused kernels' tile loops can
 GROUP_M = 8     # row tiles a group of the tile order walks before the next columns: w's strips stay in L2
 
 
+def tile_count(rows: int, n: int, tile: dict, shards: int = 1) -> int:
+    """The tiles of `shards` shards of `rows` x `n` outputs each in `tile`'s BLOCK_M x BLOCK_N."""
+    return shards * cdiv(rows, tile["BLOCK_M"]) * cdiv(n, tile["BLOCK_N"])
+
+
 def tile_config(rows: int, n: int, element_size: int) -> dict:
     """Tile shapes and launch options for a shard of `rows` x `n` outputs (same on every rank).
 
@@ -464,7 +469,7 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
     descriptors = operand_descriptors(a, w, config) if options["TMA"] else dict(a_desc=None, w_desc=None,
                                                                                 W_KMAJOR=False)
     out_desc = descriptor(out, [config["BLOCK_M"], config["BLOCK_N"] // 2]) if options["STORE_TMA"] else None
-    tiles = cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+    tiles = tile_count(m, n, config)
     options = dict(options, SPLIT_TAIL=options["SPLIT_TAIL"] and tiles % programs > 0)   # else the loop alone
     grid = programs if options["SPLIT_TAIL"] else min(programs, tiles)
     partials = counts = out                    # read only by a split tail
@@ -489,6 +494,7 @@ SUM_BLOCK = 1024           # elements per program of sum_splits_kernel: 4 warps,
 
 
 def small_tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    """A tile of SMALL_M_TILES: BLOCK_M x BLOCK_N x BLOCK_K (bf16 columns), its warps and pipeline stages."""
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
@@ -513,6 +519,8 @@ SMALL_M_TILES = (
     (128, (small_tile(128, 128, 64, 8, 5), small_tile(128, 64, 128, 4, 4))),
     (None, (small_tile(128, 256, 64, 8, 3), small_tile(128, 128, 64, 8, 5))),
 )
+# Every distinct candidate (what the compile tests build, what the TP buffers' smallest tile is taken over).
+SMALL_M_CANDIDATES = tuple({tuple(t.items()): t for _, tiles in SMALL_M_TILES for t in tiles}.values())
 BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.94x)
 
 
@@ -520,8 +528,7 @@ def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: in
     """SMALL_M_TILES' tile and launch options for `shards` shards of `rows` x `n` outputs on `programs`
     programs: the widest candidate for the rows with at least BUSY_SMS * programs tiles, else the narrowest."""
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
-    tile = next((t for t in candidates
-                 if shards * cdiv(rows, t["BLOCK_M"]) * cdiv(n, t["BLOCK_N"]) >= BUSY_SMS * programs), candidates[-1])
+    tile = next((t for t in candidates if tile_count(rows, n, t, shards) >= BUSY_SMS * programs), candidates[-1])
     return dict(tile, BLOCK_K=tile["BLOCK_K"] * 2 // element_size)
 
 
@@ -585,7 +592,7 @@ def small_m_config(m: int, n: int, k: int, element_size: int, sms: int) -> dict:
     at work repay: at n = 3584 (tensor parallelism 8 of 28672) and 128 rows, 56 tiles, 2 slices ran at 0.85x
     cuBLAS, one at 0.72x; where small_m_tile finds BUSY_SMS of the SMs' worth of tiles, one slice."""
     tiles = small_m_tile(m, n, element_size, sms)
-    count = cdiv(m, tiles["BLOCK_M"]) * cdiv(n, tiles["BLOCK_N"])
+    count = tile_count(m, n, tiles)
     blocks = cdiv(k, tiles["BLOCK_K"])
     return dict(tiles, splits=max(1, min(sms // max(count, 1), blocks // MIN_SPLIT_BLOCKS)))
 
@@ -597,10 +604,9 @@ def matmul_small_m(a: torch.Tensor, w: torch.Tensor, sms: int, config: dict | No
     (``small_m_config`` for a GPU of `sms` SMs, or `config`, one of its results), operands loaded as
     VARIANTS[variant] does (one of FUSED_VARIANTS: there is no tile loop to flatten; "tma" needs what
     `matmul`'s does, 16-byte aligned rows and w with contiguous rows or columns, and raises ValueError
-    otherwise). The K slices' fp32
-    partial sums [splits, M, N] are added in slice order by a second kernel (sum_splits_kernel) and rounded
-    once, so the result depends on the operands and the config alone; one slice stores its tiles straight
-    into the result."""
+    otherwise). The K slices' fp32 partial sums [splits, M, N] are added in slice order by a second kernel
+    (sum_splits_kernel) and rounded once, so the result depends on the operands and the config alone; one
+    slice stores its tiles straight into the result."""
     if variant not in FUSED_VARIANTS:
         raise ValueError(f"variant must be one of {FUSED_VARIANTS}, got {variant!r}")
     (m, k), n = a.shape, w.shape[1]

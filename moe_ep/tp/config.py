@@ -8,13 +8,13 @@ import torch
 import triton
 
 from .. import runtime
-from ..kernels.matmul import FUSED_VARIANTS, SMALL_M_TILES
+from ..kernels.matmul import FUSED_VARIANTS, SMALL_M_CANDIDATES
 
 BACKENDS = ("nvshmem", "reference")
 OVERLAP = ("auto", "fused", "chunked", "never")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The smallest BLOCK_M, BLOCK_N matmul.fused_tile_config hands out: its small-M tiles' (tile_config's are larger).
-MIN_TILE = tuple(min(tile[name] for _, tiles in SMALL_M_TILES for tile in tiles) for name in ("BLOCK_M", "BLOCK_N"))
+MIN_TILE = tuple(min(tile[name] for tile in SMALL_M_CANDIDATES) for name in ("BLOCK_M", "BLOCK_N"))
 
 
 @dataclass

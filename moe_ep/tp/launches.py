@@ -15,7 +15,7 @@ from ..kernels.ag_gemm import ag_gemm_kernel
 from ..kernels.gemm_ar import gemm_ar_kernel
 from ..kernels.gemm_rs import gemm_rs_kernel, gemm_rs_rows_kernel, reduce_partials_kernel
 from ..kernels.matmul import (descriptor, fused_tile_config, loads_through_descriptors, operand_descriptors,
-                              reset_and_barrier_kernel, wait_flag_kernel, weight_rows)
+                              reset_and_barrier_kernel, tile_count, wait_flag_kernel, weight_rows)
 from ..kernels.status import TAG_AG_SHARD, TAG_RS_TILE
 from ..launcher import BoundKernel, cdiv, next_power_of_2
 from .config import TPBuffers, TPConfig
@@ -73,7 +73,7 @@ class Launches:
         n = w.shape[1]
         out = torch.empty((rows * c.world, n), dtype=c.dtype, device=a_shard.device)
         config = fused_tile_config(rows, n, a_shard.element_size(), self.programs, c.world)
-        tiles = c.world * cdiv(rows, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+        tiles = tile_count(rows, n, config, c.world)
         tma, descriptors = self._loads(a_shard, w, config)
         if tma:                     # the gathered A's between a's and w's
             gathered = self.buffers.gathered[:c.world * rows * k].view(c.world * rows, k)
@@ -125,11 +125,11 @@ class Launches:
 
     def rs_tiles(self, m: int, n: int, config: dict) -> int:
         """The tiles of one rank's M / W rows of gemm_rs' [M, N] (``gemm_rs``)."""
-        return cdiv(m // self.config.world, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+        return tile_count(m // self.config.world, n, config)
 
     def all_rows_tiles(self, m: int, n: int, config: dict) -> int:
         """The tiles of [M, N] (gemm_ar's, gemm_rs_rows')."""
-        return cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
+        return tile_count(m, n, config)
 
     def steps(self, tiles: int, more: int) -> int:
         """The steps of a pipeline over `tiles` tiles: its programs' most tiles, plus `more` (gemm_ar: 3, the
