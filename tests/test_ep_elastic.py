@@ -115,8 +115,11 @@ def test_survivors_go_on(world, victim, point):
             check(r, world, EXPERTS, max_tokens, outs[r], combined[r], inputs, senders, {victim} if n else set())
         if n == 1:
             assert TIMEOUT_S <= took < TIMEOUT_S + 30, took      # one timeout, plus the interpreter's work
-        elif n > 1:                 # the victim is masked on every survivor: nothing waits for it any more
-            assert took < TIMEOUT_S, (n, took)
+            waited = took
+        elif n > 1:
+            # The victim is masked on every survivor: nothing waits for it any more. A wait would cost one more
+            # timeout on top of the same work as call 1's (the interpreter's, whose seconds vary with the CPU).
+            assert took < waited - TIMEOUT_S / 2, (n, took, waited)
     for r in survivors:
         assert ranks[r].live_ranks() == survivors
         assert not ranks[r]._status.any()

@@ -404,8 +404,9 @@ def _elastic_dispatchers(rank, world):
         assert active.tolist() == [int(r not in lost) for r in range(world)], n
         if n == 1:
             assert TIMEOUT_S <= took < TIMEOUT_S + 30, took          # one timeout, plus the interpreter's work
-        elif n == 2:
-            assert took < TIMEOUT_S, took
+            waited = took
+        elif n == 2:                # no second wait: faster than call 1 by about its timeout, on any CPU
+            assert took < waited - TIMEOUT_S / 2, (took, waited)
     assert [dispatchers[r].live_ranks() for r in survivors] == [survivors, survivors]
 
 

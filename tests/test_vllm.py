@@ -684,8 +684,9 @@ def test_elastic_prepare_finalize_goes_on_without_a_lost_rank():
                                                                      world)), (n, r)
         if n == 1:
             assert TIMEOUT_S <= took < TIMEOUT_S + 30, took      # one timeout, plus the interpreter's work
-        elif n == 2:
-            assert took < TIMEOUT_S, took
+            waited = took
+        elif n == 2:                # no second wait: faster than call 1 by about its timeout, on any CPU
+            assert took < waited - TIMEOUT_S / 2, (took, waited)
     assert [prepare_finalizes[r].live_ranks() for r in survivors] == [survivors, survivors]
 
 
