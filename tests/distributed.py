@@ -6,6 +6,7 @@
     run(fn, world, *args, lost=(3,))  # rank 3 dies on the way, by die(); nobody tears down, since
                                       # NVSHMEM's finalize and the group's barrier would wait for it
     refused_on_rank_0(comm, refuse, call, message)   # a call rank 0 refuses ends on rank 1, bounded
+    waited_once(took, timeout_s)      # a simulated world's calls around a death: one timeout, then none
 
 GPU tests run at each world size of GPU_WORLDS: every visible GPU (up to 8), or on one GPU 2 and 4
 ranks sharing it; MOE_EP_TEST_WORLDS (e.g. "8" or "2,4") overrides.
@@ -53,6 +54,15 @@ def die() -> None:
 # launches and the host on a machine busy with other jobs (at 4 GPUs beside six other test jobs, 5.2 s for
 # two waits of 2 s).
 REFUSAL_WAITS = 3
+
+
+def waited_once(took: list[float], timeout_s: float) -> None:
+    """Seconds of a simulated world's calls around a rank's death (call 0 with the rank, call 1 the one it stops
+    in, the later ones without it): call 1 waits one timeout for it, plus the interpreter's work; the later
+    calls wait for nothing, so each is faster than call 1 by about that timeout. The interpreter's own seconds
+    vary with the CPU, so no later call has a bound of its own."""
+    assert timeout_s <= took[1] < timeout_s + 30, took
+    assert all(t < took[1] - timeout_s / 2 for t in took[2:]), took
 
 
 def refused_on_rank_0(comm, refuse, call, message: str) -> None:

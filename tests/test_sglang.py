@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cases import expected_combine, expert_fn, make_inputs, moe_layer_inputs, on_ranks
-from distributed import run
+from distributed import run, waited_once
 
 pytest.importorskip("sglang.srt.layers.moe.token_dispatcher.deepep")
 
@@ -388,6 +388,7 @@ def _elastic_dispatchers(rank, world):
                    for _ in range(world)]
     assert all(dispatcher.fp8 for dispatcher in dispatchers)
     survivors = [0, 1]
+    took = []
     for n in range(3):
         everyone = [make_inputs(r, [5, 3, 4], SIMULATED["hidden"], experts, SIMULATED["topk"], seed=n, drop=0.2)
                     for r in range(world)]
@@ -395,18 +396,14 @@ def _elastic_dispatchers(rank, world):
         lost = set() if n == 0 else {victim}
         started = time.monotonic()
         outputs = _round(dispatchers, live, dict(enumerate(everyone)))
-        took = time.monotonic() - started
+        took.append(time.monotonic() - started)
         without = [(x, ids.masked_fill(on_ranks(ids, lost, experts, world), -1), weights)
                    for x, ids, weights in everyone]
         for r in live:
             assert torch.equal(outputs[r], expected_combine(r, world, without, experts, GROUP, torch.bfloat16)), (n, r)
             assert torch.equal(dispatchers[r].lost(), on_ranks(everyone[r][1], lost, experts, world)), (n, r)
         assert active.tolist() == [int(r not in lost) for r in range(world)], n
-        if n == 1:
-            assert TIMEOUT_S <= took < TIMEOUT_S + 30, took          # one timeout, plus the interpreter's work
-            waited = took
-        elif n == 2:                # no second wait: faster than call 1 by about its timeout, on any CPU
-            assert took < waited - TIMEOUT_S / 2, (took, waited)
+    waited_once(took, TIMEOUT_S)
     assert [dispatchers[r].live_ranks() for r in survivors] == [survivors, survivors]
 
 

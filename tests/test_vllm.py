@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from cases import expected_combine, expert_fn, make_inputs, moe_layer_inputs, on_ranks
-from distributed import run
+from distributed import run, waited_once
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")       # vLLM's Python modules without its compiled extensions
 pytest.importorskip("vllm")
@@ -667,6 +667,7 @@ def test_elastic_prepare_finalize_goes_on_without_a_lost_rank():
     ranks = EPAllToAll.simulated(**SIMULATED, fp8_group=GROUP, timeout_s=TIMEOUT_S, elastic=True)
     prepare_finalizes = [moe_ep_vllm.MoeEpPrepareAndFinalize(ep) for ep in ranks]
     survivors = [0, 1]
+    took = []
     for n in range(3):
         everyone = [make_inputs(r, [5, 3, 4], SIMULATED["hidden"], SIMULATED["num_experts"], SIMULATED["topk"],
                                 seed=n, drop=0.2) for r in range(world)]
@@ -674,7 +675,7 @@ def test_elastic_prepare_finalize_goes_on_without_a_lost_rank():
         lost = set() if n == 0 else {victim}
         started = time.monotonic()
         outputs = _round(prepare_finalizes, live, dict(enumerate(everyone)))
-        took = time.monotonic() - started
+        took.append(time.monotonic() - started)
         without = [(x, ids.masked_fill(on_ranks(ids, lost, SIMULATED["num_experts"], world), -1), weights)
                    for x, ids, weights in everyone]
         for r in live:
@@ -682,11 +683,7 @@ def test_elastic_prepare_finalize_goes_on_without_a_lost_rank():
                                                             torch.bfloat16)), (n, r)
             assert torch.equal(prepare_finalizes[r].lost(), on_ranks(everyone[r][1], lost, SIMULATED["num_experts"],
                                                                      world)), (n, r)
-        if n == 1:
-            assert TIMEOUT_S <= took < TIMEOUT_S + 30, took      # one timeout, plus the interpreter's work
-            waited = took
-        elif n == 2:                # no second wait: faster than call 1 by about its timeout, on any CPU
-            assert took < waited - TIMEOUT_S / 2, (took, waited)
+    waited_once(took, TIMEOUT_S)
     assert [prepare_finalizes[r].live_ranks() for r in survivors] == [survivors, survivors]
 
 
