@@ -18,10 +18,12 @@ every shape); `floor_us`: the flops at the bf16 tensor cores' datasheet peak (ti
 
 Small M (moe_ep.kernels.matmul.matmul_small_m, its split rule for this GPU's SMs): the same GEMM at
 SMALL_M_ROWS_TIMED rows on the per-rank K x N of SMALL_M_SHAPES, where it reads the weights more than it
-computes. cuBLAS; the tile loop's "tma" (what the fused kernels run) and FASTEST_ALONE; `small_m_tma` and
-`small_m_pointer`, the small-M path loading each way, with `small_m_config` (tile, K slices). Each
-`_vs_cublas` is cuBLAS time / its time (the target: >= 0.9 up to matmul.SMALL_M_ROWS rows); `floor_us`:
-the larger of the flops at the tensor cores' peak and the bytes (weights, rows in, rows out) at HBM's.
+computes. cuBLAS; the tile loop's "tma" and FASTEST_ALONE on tile_config's tiles; `small_m_tma` and
+`small_m_pointer`, the small-M path loading each way, with `small_m_config` (tile, K slices); `fused_tma`, the
+tile loop on the fused kernels' tiles (`fused_config`: matmul.fused_tile_config, one shard). Each `_vs_cublas` is
+cuBLAS time / its time (the target: >= 0.9 up to matmul.SMALL_M_ROWS rows, and for `fused_tma` up to
+matmul.FUSED_SMALL_M_ROWS); `floor_us`: the larger of the flops at the tensor cores' peak and the bytes (weights,
+rows in, rows out) at HBM's.
 
 Grouped GEMM (moe_ep.kernels.grouped_gemm): the gate_up GEMM of DeepSeek-V3 (256 experts, hidden 7168,
 2 x 2048) and Qwen3-30B-A3B (128 experts, hidden 2048, 2 x 768), all experts on this GPU, 8/256 and
@@ -47,7 +49,8 @@ from bench_moe_layer import GEMM_CASES, attempt, rowwise_fp8
 
 from moe_ep import quantize_fp8
 from moe_ep.kernels.grouped_gemm import TILE_CANDIDATES, grouped_gemm
-from moe_ep.kernels.matmul import FUSED_VARIANTS, VARIANTS, matmul, matmul_small_m, small_m_config, tile_config
+from moe_ep.kernels.matmul import (FUSED_VARIANTS, VARIANTS, fused_tile_config, matmul, matmul_small_m, small_m_config,
+                                   tile_config)
 from moe_ep.kernels.quant import quantize_weights_fp8
 from moe_ep.timing import (Progress, benchmark_args, environment, finish, floor_us, heading, markdown_table,
                            median_us, row_line, write_json, write_report)
@@ -58,7 +61,7 @@ TP_SIZES = (2, 4)
 # (8192 x 8192), and the rows; tp 8's all-gather GEMM (N = 3584) has too few tiles of 64 columns for the
 # SMs: the one shape where the split rule cuts K.
 SMALL_M_SHAPES = [("a tp4 AG", 8192, 7168), ("a tp4 RS", 7168, 8192), ("c tp4 RS", 2048, 8192), ("c tp1", 8192, 8192),
-                  ("a tp8 AG", 8192, 3584)]
+                  ("a tp8 AG", 8192, 3584), ("tp2 AG", 8192, 14336), ("tp2 RS", 4096, 28672), ("tp4 RS", 2048, 28672)]
 SMALL_M_ROWS_TIMED = (1, 16, 32, 64, 128, 256, 512)
 L2_FLUSH_BYTES = 256 * 2**20     # over 5x the L2 of an H100 or H200 (50-60 MB)
 BUSY_CYCLES = 1_000_000           # about 0.5 ms at the H200's 1.98 GHz: longer than any launch
@@ -124,6 +127,9 @@ def tp_measure(row: dict, variants: tuple[str, ...], time_us, programs: int, pro
         row["small_m_config"] = f"{small['BLOCK_M']}x{small['BLOCK_N']}x{small['BLOCK_K']}, {small['splits']} slices"
         runs.update({f"small_m_{variant}": lambda variant=variant: matmul_small_m(a, w, programs, variant=variant)
                      for variant in FUSED_VARIANTS})
+        fused = fused_tile_config(m, n, a.element_size(), programs)
+        row["fused_config"] = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**fused)
+        runs["fused_tma"] = lambda: matmul(a, w, programs, fused, variant="tma")
     for name, run in runs.items():
         progress.step(name)
         error = attempt(lambda: ((run().float() - expected).norm() / expected.norm()).item())
@@ -208,8 +214,8 @@ def tp_columns(variants) -> list[str]:
             *(f"{v}_{c}" for c in ("us", "vs_cublas") for v in variants), *(f"{v}_rel_error" for v in variants)]
 
 
-SMALL_M_VARIANTS = ("tma", FASTEST_ALONE, *(f"small_m_{v}" for v in FUSED_VARIANTS))
-SMALL_M_COLUMNS = [*tp_columns(SMALL_M_VARIANTS), "small_m_config"]
+SMALL_M_VARIANTS = ("tma", FASTEST_ALONE, *(f"small_m_{v}" for v in FUSED_VARIANTS), "fused_tma")
+SMALL_M_COLUMNS = [*tp_columns(SMALL_M_VARIANTS), "small_m_config", "fused_config"]
 GROUPED_COLUMNS = ["shape", "rows_per_expert", "kernel", "us", "floor_us", "vs_floor", "TFLOPs", "TBs", "vs_torch",
                    "vs_ours_bf16", "rel_error"]
 
@@ -253,7 +259,7 @@ def main():
                 results["small_m"].append(row)
                 save()
                 p.report(row_line(row, ["shape", "cublas_us", *(f"{v}_vs_cublas" for v in SMALL_M_VARIANTS),
-                                        "small_m_config"]))
+                                        "small_m_config", "fused_config"]))
     if "grouped" in parts:
         candidates = [c for c in GROUPED_CANDIDATES if args.full or c[2] is None]
         for name, shape, rows_per_expert in GEMM_CASES:

@@ -11,9 +11,10 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_CANDIDATES, SMALL_M_ROWS,
-                                   SMALL_M_TILES, VARIANTS, fused_tile_config, loads_through_descriptors, matmul,
-                                   matmul_small_m, small_m_config, small_m_tile, tile_config)
+from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_SMALL_M_ROWS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_CANDIDATES,
+                                   SMALL_M_ROWS, SMALL_M_TILES, VARIANTS, WAVE_SLACK, fused_tile_config,
+                                   loads_through_descriptors, matmul, matmul_small_m, small_m_config, small_m_tile,
+                                   tile_config)
 from moe_ep.tp.config import MIN_TILE
 from sm90 import run_without_interpreter
 
@@ -154,31 +155,38 @@ def test_split_rule(m, k, n):
     (64, 14336, 1, (64, 128, 128)), (64, 7168, 1, (64, 64, 128)), (64, 7168, 2, (64, 128, 128)),
     (32, 14336, 1, (32, 128, 128)), (32, 7168, 1, (16, 128, 128)), (1, 7168, 1, (16, 64, 128)),
     (256, 14336, 1, (128, 256, 64)), (256, 7168, 1, (128, 128, 64)), (128, 3584, 1, (128, 64, 128)),
-    (128, 12672, 1, (128, 128, 64)), (128, 12544, 1, (128, 64, 128))])      # 99 tiles of 128 x 128: 3/4 of 132; 98
+    (128, 12672, 1, (128, 128, 64)), (128, 12544, 1, (128, 64, 128)),      # 99 tiles of 128 x 128: 3/4 of 132; 98
+    (256, 28672, 1, (128, 256, 64)), (384, 28672, 1, (128, 256, 64)), (512, 14336, 1, (128, 256, 64)),
+    (512, 7168, 1, (128, 256, 64)), (256, 14336, 2, (128, 256, 64)),
+    (512, 28672, 1, (128, 128, 64))])    # 448 tiles of 128 x 256 fill 4 waves to 85%, 896 of 128 x 128 7 to 97%
 def test_small_m_tile_picks_the_widest_that_keeps_the_sms_busy(rows, n, shards, tile):
     """small_m_tile on an H200's 132 SMs at decode shapes (tensor parallelism 1-8 of 28672 and 8192 x 28672,
-    1-256 rows), with the tiles measured best there (SMALL_M_TILES' comment), and at the threshold; the rule
-    behind them: the first candidate with BUSY_SMS of the programs' worth of tiles, else the last."""
+    1-512 rows), with the tiles measured best there (SMALL_M_TILES' comment), and at the thresholds; the rule
+    behind them: of the candidates with BUSY_SMS of the programs' worth of tiles (else the last), the first whose
+    waves are filled within WAVE_SLACK of the best."""
     config = small_m_tile(rows, n, 2, SMS, shards)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == tile
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
     count = [shards * -(-rows // t["BLOCK_M"]) * -(-n // t["BLOCK_N"]) for t in candidates]
-    busy = [i for i, c in enumerate(count) if c >= BUSY_SMS * SMS]
-    assert config == candidates[busy[0] if busy else -1]
+    busy = [i for i, c in enumerate(count) if c >= BUSY_SMS * SMS] or [len(candidates) - 1]
+    fill = {i: count[i] / (-(-count[i] // SMS) * SMS) for i in busy}
+    assert config == candidates[next(i for i in busy if fill[i] * WAVE_SLACK >= max(fill.values()))]
     assert small_m_tile(rows, n, 4, SMS, shards)["BLOCK_K"] == tile[2] // 2      # the same bytes of a row
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_fused_tiles(element_size):
-    """The fused kernels' tiles: small_m_config's (no split) for 2-byte operands up to SMALL_M_ROWS rows,
-    tile_config's otherwise, at every row count up to 300 and widths on both sides of tile_config's 2048;
-    never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
-    for rows in range(1, 301):
+    """The fused kernels' tiles: small_m_tile's for 2-byte operands up to FUSED_SMALL_M_ROWS rows (small_m_config's
+    without its split), tile_config's otherwise, at every row count up to 600 and widths on both sides of
+    tile_config's 2048; never smaller than the TP buffers' MIN_TILE, by which their flags are counted."""
+    for rows in range(1, 601):
         for n in (64, 2047, 2048, 7168, 28672):
             config = fused_tile_config(rows, n, element_size, SMS)
-            if rows <= SMALL_M_ROWS and element_size == 2:
-                small = {k: v for k, v in small_m_config(rows, n, 8192, element_size, SMS).items() if k != "splits"}
+            if rows <= FUSED_SMALL_M_ROWS and element_size == 2:
+                small = small_m_tile(rows, n, element_size, SMS)
                 assert {k: config[k] for k in small} == small, (rows, n)
+                if rows <= SMALL_M_ROWS:
+                    assert small.items() <= small_m_config(rows, n, 8192, element_size, SMS).items(), (rows, n)
             else:
                 assert config == tile_config(rows, n, element_size), (rows, n)
             assert config["BLOCK_M"] >= MIN_TILE[0] and config["BLOCK_N"] >= MIN_TILE[1], (rows, n, config)

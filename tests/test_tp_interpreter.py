@@ -339,7 +339,7 @@ from sm90 import compile_for_sm90
 
 aligned = ("a", "w", "out", "partials", "partial_peers", "flags", "flag_peers", "arrivals", "arrival_peers", "state",
            "N", "K", "stride_am", "stride_wn")          # what a call with weight.t() of a layer passes
-for rows in (128, 512):                        # matmul_small_m's tiles, the tile loop's
+for rows in (128, 1024):                       # small_m_tile's (512 rows take them too), tile_config's
     config = fused_tile_config(rows, 28672, 2, 132)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for tma in (False, True):
@@ -365,7 +365,7 @@ def test_pipelined_kernels_compile_for_sm90():
     through the peers' addresses too (``shmem.peer_address``): the only narrower stores are the 4-byte words
     of a timeout report and the 8-byte zeros of the barrier's flags."""
     lines = run_without_interpreter(COMPILE_PIPELINED, timeout=900).splitlines()
-    assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.b64 st.global.v4.b32" for rows in (128, 512)
+    assert lines == [f"{name} {rows} {loop} st.global.b32 st.global.b64 st.global.v4.b32" for rows in (128, 1024)
                      for loop in ("pointer", "tma") for name in ("gemm_ar_kernel", "gemm_rs_rows_kernel")]
 
 

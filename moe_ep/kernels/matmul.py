@@ -39,9 +39,10 @@ The tile shapes depend only on the problem's sizes, dtype and program count, nev
 ids are part of the protocol between ranks (GEMM-RS signals one flag per tile).
 
 Up to SMALL_M_ROWS rows a GEMM is mostly a read of the weights, and 128 x 256 tiles leave most SMs idle
-(M = 128, N = 7168: 28 tiles for 132 SMs). The fused kernels and ``matmul_small_m`` take the widest
-tiles of SMALL_M_TILES that still keep the SMs streaming their own strips of the weights
-(``small_m_tile``); ``matmul_small_m`` runs one a program, and where even the narrowest tiles
+(M = 128, N = 7168: 28 tiles for 132 SMs). The fused kernels (up to FUSED_SMALL_M_ROWS rows) and
+``matmul_small_m`` take the widest tiles of SMALL_M_TILES that still keep the SMs streaming their own strips
+of the weights and fill the last wave about as well as narrower ones (``small_m_tile``);
+``matmul_small_m`` runs one a program, and where even the narrowest tiles
 are fewer than the SMs it splits K (``small_m_config``'s rule) and a second kernel sums the slices'
 fp32 partials in a fixed order (``sum_splits_kernel``), so its results are deterministic. Its K loop is
 the tile loop's over a range of K blocks (``gemm_slice``), loading either way.
@@ -486,7 +487,7 @@ def matmul(a: torch.Tensor, w: torch.Tensor, programs: int, config: dict | None 
 
 # ---------------------------------------------------------------------------------------------- small M
 
-SMALL_M_ROWS = 256         # rows up to which SMALL_M_TILES serve: at 512 rows, bench_gemm.py --small_m (H200, ca451b4),
+SMALL_M_ROWS = 256         # rows up to which matmul_small_m serves: at 512 rows, bench_gemm.py --small_m (H200, ca451b4),
                            # the tile loop's 128 x 256 tiles reach 0.91-0.97x cuBLAS, matmul_small_m 0.74-0.81x (where
                            # the tile loop has fewer tiles than SMs, N = 3584 at 512 rows, 0.52 against 0.86)
 MIN_SPLIT_BLOCKS = 8       # BLOCK_K steps a K slice keeps at least: its pipeline (3-6 stages) fills in 2-5
@@ -510,34 +511,47 @@ def small_tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 # - 64 rows: 64 x 128 at N 14336 1.08 (64 x 64: 0.94); 64 x 64 at N 7168 0.98 (64 x 128, 56 tiles: 0.94).
 # - 128 rows: 128 x 128 x 64 with 8 warps and 5 stages at N 14336 1.00, N 28672 (224 tiles, K 2048 / 4096)
 #   0.96 / 1.01, where 128 x 64 gave 0.86 and 0.84 / 0.87; 128 x 64 at N 7168 0.91 (128 x 128, 56 tiles: 0.73).
-# - up to 256 rows: 128 x 256 at N 14336 / 28672 0.94 / 0.95 (128 x 128 x 128: 0.81 / 0.84); 128 x 128 x 64 at
-#   N 7168 0.90 (128 x 256, 56 tiles: 0.55).
+# - more rows: 128 x 256 x 64 with 4 stages at N 14336 / 28672, 256 rows, 0.94 / 0.96 (3 stages: 0.93 / 0.93; 128
+#   x 128 x 128: 0.81 / 0.84), 512 rows, N 14336 0.99 (3 stages 0.98); 128 x 128 x 64 at N 7168 0.90 (128 x 256, 56
+#   tiles: 0.55) and, by the waves (below), at 512 rows and N 28672 0.89 (128 x 256: 0.81).
 SMALL_M_TILES = (
     (16, (small_tile(16, 128, 128, 4, 6), small_tile(16, 64, 128, 4, 6))),
     (32, (small_tile(32, 128, 128, 4, 4), small_tile(16, 128, 128, 4, 6), small_tile(16, 64, 128, 4, 6))),
     (64, (small_tile(64, 128, 128, 4, 4), small_tile(64, 64, 128, 4, 4))),
     (128, (small_tile(128, 128, 64, 8, 5), small_tile(128, 64, 128, 4, 4))),
-    (None, (small_tile(128, 256, 64, 8, 3), small_tile(128, 128, 64, 8, 5))),
+    (None, (small_tile(128, 256, 64, 8, 4), small_tile(128, 128, 64, 8, 5))),
 )
 # Every distinct candidate (what the compile tests build, what the TP buffers' smallest tile is taken over).
 SMALL_M_CANDIDATES = tuple({tuple(t.items()): t for _, tiles in SMALL_M_TILES for t in tiles}.values())
 BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.94x)
+WAVE_SLACK = 1.1    # a narrower candidate is taken only where it fills the programs' waves this much better: at 512
+                    # rows, N 28672, 448 tiles of 128 x 256 fill 4 waves of 132 to 85%, 896 of 128 x 128 fill 7 to 97%,
+                    # and the narrower ran 1.09x faster; where the fills are equal the wider runs 3-12% faster
+FUSED_SMALL_M_ROWS = 512    # rows up to which the fused kernels take small_m_tile's tiles (tile_config's beyond)
+
+
+def wave_fill(tiles: int, programs: int) -> float:
+    """The share of `programs` programs' time a persistent loop over `tiles` equal tiles keeps busy."""
+    return tiles / (cdiv(tiles, programs) * programs)
 
 
 def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
     """SMALL_M_TILES' tile and launch options for `shards` shards of `rows` x `n` outputs on `programs`
-    programs: the widest candidate for the rows with at least BUSY_SMS * programs tiles, else the narrowest."""
+    programs. Of the candidates for the rows with at least BUSY_SMS * programs tiles (or else the narrowest), the
+    widest whose tiles fill the programs' waves (``wave_fill``) within WAVE_SLACK of the best of them."""
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
-    tile = next((t for t in candidates if tile_count(rows, n, t, shards) >= BUSY_SMS * programs), candidates[-1])
+    busy = [t for t in candidates if tile_count(rows, n, t, shards) >= BUSY_SMS * programs] or [candidates[-1]]
+    fill = [wave_fill(tile_count(rows, n, t, shards), programs) for t in busy]
+    tile = next(t for t, f in zip(busy, fill) if f * WAVE_SLACK >= max(fill))
     return dict(tile, BLOCK_K=tile["BLOCK_K"] * 2 // element_size)
 
 
 def fused_tile_config(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
     """The tiles of a fused kernel (ag_gemm, gemm_rs, gemm_ar) for `shards` shards of `rows` x `n` outputs
     (ag_gemm's and gemm_rs' per-rank tiles: one a rank) on `programs` programs: in 2-byte dtypes up to
-    SMALL_M_ROWS rows, ``small_m_tile``'s, else ``tile_config``'s. The fused kernels walk all of K, so never a
-    split. Depends on the sizes and the program count only, the same on every rank."""
-    if rows > SMALL_M_ROWS or element_size != 2:
+    FUSED_SMALL_M_ROWS rows, ``small_m_tile``'s, else ``tile_config``'s. The fused kernels walk all of K, so never
+    a split. Depends on the sizes and the program count only, the same on every rank."""
+    if rows > FUSED_SMALL_M_ROWS or element_size != 2:
         return tile_config(rows, n, element_size)
     return dict(small_m_tile(rows, n, element_size, programs, shards), GROUP_M=GROUP_M)
 
