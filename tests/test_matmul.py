@@ -11,10 +11,10 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from moe_ep.kernels.matmul import (BUSY_SMS, FUSED_SMALL_M_ROWS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS, SMALL_M_CANDIDATES,
-                                   SMALL_M_ROWS, SMALL_M_TILES, VARIANTS, WAVE_SLACK, fused_tile_config,
-                                   loads_through_descriptors, matmul, matmul_small_m, small_m_config, small_m_tile,
-                                   tile_config)
+from moe_ep.kernels.matmul import (BUSY_SMS, FLOP_ROWS, FUSED_SMALL_M_ROWS, FUSED_VARIANTS, MIN_SPLIT_BLOCKS,
+                                   SMALL_M_CANDIDATES, SMALL_M_ROWS, SMALL_M_TILES, VARIANTS, WAVE_SLACK,
+                                   fused_tile_config, loads_through_descriptors, matmul, matmul_small_m, small_m_config,
+                                   small_m_tile, tile_config)
 from moe_ep.tp.config import MIN_TILE
 from sm90 import run_without_interpreter
 
@@ -158,18 +158,19 @@ def test_split_rule(m, k, n):
     (128, 12672, 1, (128, 128, 64)), (128, 12544, 1, (128, 64, 128)),      # 99 tiles of 128 x 128: 3/4 of 132; 98
     (256, 28672, 1, (128, 256, 64)), (384, 28672, 1, (128, 256, 64)), (512, 14336, 1, (128, 256, 64)),
     (512, 7168, 1, (128, 256, 64)), (256, 14336, 2, (128, 256, 64)),
-    (512, 28672, 1, (128, 128, 64))])    # 448 tiles of 128 x 256 fill 4 waves to 85%, 896 of 128 x 128 7 to 97%
+    (512, 28672, 1, (128, 128, 64)),     # 448 tiles of 128 x 256 fill 4 waves to 85%, 896 of 128 x 128 7 to 97%
+    (32, 28672, 1, (32, 128, 128))])     # the same fills, but the weights' bytes bound 32 rows: the widest
 def test_small_m_tile_picks_the_widest_that_keeps_the_sms_busy(rows, n, shards, tile):
     """small_m_tile on an H200's 132 SMs at decode shapes (tensor parallelism 1-8 of 28672 and 8192 x 28672,
     1-512 rows), with the tiles measured best there (SMALL_M_TILES' comment), and at the thresholds; the rule
-    behind them: of the candidates with BUSY_SMS of the programs' worth of tiles (else the last), the first whose
-    waves are filled within WAVE_SLACK of the best."""
+    behind them: of the candidates with BUSY_SMS of the programs' worth of tiles (else the last), the first, beyond
+    FLOP_ROWS rows the first whose waves are filled within WAVE_SLACK of the best."""
     config = small_m_tile(rows, n, 2, SMS, shards)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == tile
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
     count = [shards * -(-rows // t["BLOCK_M"]) * -(-n // t["BLOCK_N"]) for t in candidates]
     busy = [i for i, c in enumerate(count) if c >= BUSY_SMS * SMS] or [len(candidates) - 1]
-    fill = {i: count[i] / (-(-count[i] // SMS) * SMS) for i in busy}
+    fill = {i: count[i] / (-(-count[i] // SMS) * SMS) if rows > FLOP_ROWS else 1 for i in busy}
     assert config == candidates[next(i for i in busy if fill[i] * WAVE_SLACK >= max(fill.values()))]
     assert small_m_tile(rows, n, 4, SMS, shards)["BLOCK_K"] == tile[2] // 2      # the same bytes of a row
 
@@ -231,7 +232,7 @@ COMPILE_TILE_LOOP_FOR_SM90 = r"""
 from moe_ep.kernels.matmul import MIN_SPLIT_BLOCKS, fused_tile_config, matmul_kernel
 from sm90 import compile_for_sm90
 
-for rows in (128, 512):                     # bench_tp's decode rows: small-M tiles, then tile_config's
+for rows in (128, 256):                     # decode rows: 128 x 128 tiles (512 rows too), then 128 x 256
     config = fused_tile_config(rows, 28672, 2, 132)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for split in (False, True):

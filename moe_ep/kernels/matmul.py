@@ -524,9 +524,13 @@ SMALL_M_TILES = (
 # Every distinct candidate (what the compile tests build, what the TP buffers' smallest tile is taken over).
 SMALL_M_CANDIDATES = tuple({tuple(t.items()): t for _, tiles in SMALL_M_TILES for t in tiles}.values())
 BUSY_SMS = 0.75     # of the programs: a tile count below leaves SMs without weights to stream (56 of 132: 0.55-0.94x)
-WAVE_SLACK = 1.1    # a narrower candidate is taken only where it fills the programs' waves this much better: at 512
-                    # rows, N 28672, 448 tiles of 128 x 256 fill 4 waves of 132 to 85%, 896 of 128 x 128 fill 7 to 97%,
-                    # and the narrower ran 1.09x faster; where the fills are equal the wider runs 3-12% faster
+FLOP_ROWS = 128     # rows beyond which a GEMM's FLOPs bound it more than its weights' bytes (2 FLOPs a row for
+                    # each weight of 2 bytes: an H200's 989 TFLOP/s over its 4.8 TB/s meet at about 200 rows), so that
+                    # how well the tiles fill the last wave counts; below, the wider tiles win even where narrower ones
+                    # fill it better (32 rows, N 28672: 32 x 128 tiles 0.98x cuBLAS, 16 x 64 0.76)
+WAVE_SLACK = 1.1    # beyond FLOP_ROWS a narrower candidate is taken where it fills the programs' waves this much better:
+                    # at 512 rows, N 28672, 448 tiles of 128 x 256 fill 4 waves of 132 to 85%, 896 of 128 x 128 fill 7
+                    # to 97%, and the narrower ran 1.09x faster; where the fills are equal the wider ran 3-12% faster
 FUSED_SMALL_M_ROWS = 512    # rows up to which the fused kernels take small_m_tile's tiles (tile_config's beyond)
 
 
@@ -538,10 +542,11 @@ def wave_fill(tiles: int, programs: int) -> float:
 def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: int = 1) -> dict:
     """SMALL_M_TILES' tile and launch options for `shards` shards of `rows` x `n` outputs on `programs`
     programs. Of the candidates for the rows with at least BUSY_SMS * programs tiles (or else the narrowest), the
-    widest whose tiles fill the programs' waves (``wave_fill``) within WAVE_SLACK of the best of them."""
+    widest; beyond FLOP_ROWS rows, the widest whose tiles fill the programs' waves (``wave_fill``) within
+    WAVE_SLACK of the best of them."""
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
     busy = [t for t in candidates if tile_count(rows, n, t, shards) >= BUSY_SMS * programs] or [candidates[-1]]
-    fill = [wave_fill(tile_count(rows, n, t, shards), programs) for t in busy]
+    fill = [wave_fill(tile_count(rows, n, t, shards), programs) if rows > FLOP_ROWS else 1.0 for t in busy]
     tile = next(t for t, f in zip(busy, fill) if f * WAVE_SLACK >= max(fill))
     return dict(tile, BLOCK_K=tile["BLOCK_K"] * 2 // element_size)
 
