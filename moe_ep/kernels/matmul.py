@@ -511,7 +511,7 @@ def small_tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 # - 64 rows: 64 x 128 at N 14336 1.08 (64 x 64: 0.94); 64 x 64 at N 7168 0.98 (64 x 128, 56 tiles: 0.94).
 # - 128 rows: 128 x 128 x 64 with 8 warps and 5 stages at N 14336 1.00, N 28672 (224 tiles, K 2048 / 4096)
 #   0.96 / 1.01, where 128 x 64 gave 0.86 and 0.84 / 0.87; 128 x 64 at N 7168 0.91 (128 x 128, 56 tiles: 0.73).
-# - more rows: 128 x 256 x 64 with 4 stages at N 14336 / 28672, 256 rows, 0.94 / 0.96 (3 stages: 0.93 / 0.93; 128
+# - more rows: 128 x 256 x 64 with 4 stages at N 14336 / 28672, 256 rows, 0.99 / 0.96 (3 stages: 0.94 / 0.93; 128
 #   x 128 x 128: 0.81 / 0.84), 512 rows, N 14336 0.99 (3 stages 0.98); 128 x 128 x 64 at N 7168 0.90 (128 x 256, 56
 #   tiles: 0.55) and, by the waves (below), at 512 rows and N 28672 0.89 (128 x 256: 0.81).
 SMALL_M_TILES = (
