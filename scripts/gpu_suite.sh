@@ -39,8 +39,9 @@
 # to what a later run loads, into OUTDIR/triton_cache.tar.gz at the end. Put that file in the next
 # machine's checkout as .triton_cache.tar.gz and the suite starts from it (the paths inside are rewritten
 # for the new checkout). nvshmem4py wheels in .whl/ are installed into /tmp/site when nvshmem4py is not
-# importable; engine sources in .engines/ (vllm-*.tar.gz, sglang-*.tar.gz, with a top-level package folder,
-# and *.whl of what their modules import) are unpacked into /tmp/moe_ep_engines for the engine tests.
+# importable. An engine's sources in .engines/ENGINE/ (ENGINE vllm or sglang: *.tar.gz with its top-level package
+# folder, and *.whl of what its modules import that the machine lacks) are unpacked into /tmp/moe_ep_engines/ENGINE,
+# a folder an engine, since the two pin different versions of what they share (openai): the path of its tests.
 set -uo pipefail
 usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench multi_bench_ep
   multi_bench_layers tests_ep tests_moe tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep
@@ -78,14 +79,17 @@ fi
 python3 scripts/triton_cache.py relocate "$TRITON_CACHE_DIR"
 
 engines=""
-if compgen -G ".engines/*.tar.gz" >/dev/null || compgen -G ".engines/*.whl" >/dev/null; then
-  engines=/tmp/moe_ep_engines
-  mkdir -p "$engines"
-  for archive in .engines/*.tar.gz; do [[ -f $archive ]] && tar -xzf "$archive" -C "$engines"; done
-  if compgen -G ".engines/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$engines" .engines/*.whl
+for engine in vllm sglang; do
+  compgen -G ".engines/$engine/*.tar.gz" >/dev/null || continue
+  engines+="$engine "
+  mkdir -p "/tmp/moe_ep_engines/$engine"
+  for archive in ".engines/$engine"/*.tar.gz; do tar -xzf "$archive" -C "/tmp/moe_ep_engines/$engine"; done
+  if compgen -G ".engines/$engine/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "/tmp/moe_ep_engines/$engine" \
+      ".engines/$engine"/*.whl
   fi
-fi
+done
+engines=${engines% }
 
 ranks=$(( gpus > 1 ? gpus : 2 ))         # the tutorials' ranks: a GPU each, or 2 sharing the one GPU
 
@@ -109,9 +113,11 @@ step() {   # step NAME SECONDS command...: run under timeout, log to OUTDIR/NAME
   local last
   last=$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)\b.* in [0-9.]+s' "$out/$name.log" | tail -n 1)
   tail -n 25 "$out/$name.log"
-  local verdict=PASS
-  if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif (( rc != 0 )); then verdict=FAIL
-  elif [[ $last == *skipped* && $last != *passed* ]]; then verdict=SKIP; fi
+  local verdict=PASS skipped_all=""
+  [[ $last == *skipped* && ! $last =~ passed|failed|error ]] && skipped_all=1
+  # pytest exits 5 where it collected nothing to run: a module skipped whole (its reason in the log) is a SKIP
+  if (( rc == 124 || rc == 137 )); then verdict=TIMEOUT; elif [[ -n $skipped_all ]] && (( rc == 0 || rc == 5 )); then
+    verdict=SKIP; elif (( rc != 0 )); then verdict=FAIL; fi
   printf '%-7s %-22s %4ds  exit %-3s %s\n' "$verdict" "$name" $(( SECONDS - begin )) "$rc" "$last" \
     | tee -a "$out/summary.txt"
   [[ $verdict == PASS || $verdict == SKIP ]] || failed=1
@@ -149,13 +155,16 @@ lane() {   # lane NAME SECONDS command... [--and-then NAME SECONDS command...]: 
       if [[ ${steps[0]} == engine_tests ]]; then engine_tests "${steps[1]}"; else step "${steps[@]}"; fi
     done ) > "$out/$first.lane" 2>&1 &
 }
-engine_tests() {   # the engines' GPU tests, on their sources from .engines/ (skipped without them)
-  if [[ -z $engines ]]; then
-    skip engines "no engine sources in .engines/"
-    return
-  fi
-  step engines "$1" env PYTHONPATH="$engines:$PYTHONPATH" python3 -m pytest -q -rs -m gpu tests/test_vllm.py \
-    tests/test_sglang.py
+engine_tests() {   # engine_tests SECONDS: each engine's GPU tests on its sources from .engines/ (a SKIP without them)
+  local engine
+  for engine in vllm sglang; do
+    if [[ " $engines " != *" $engine "* ]]; then
+      skip "engine_$engine" "no $engine sources in .engines/$engine/"
+      continue
+    fi
+    step "engine_$engine" "$1" env PYTHONPATH="/tmp/moe_ep_engines/$engine:$PYTHONPATH" python3 -m pytest -q -rs -m gpu \
+      "tests/test_$engine.py"
+  done
 }
 
 deepep_build() {   # deepep_build step|lane: build DeepEP in .deepep/ where its source is and no build is yet
@@ -198,7 +207,7 @@ for part in $parts; do
       unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
       wait
       cat "$out"/*.lane
-      lanes_passed pytest_kernels pytest_shmem pytest_ep engines pytest_tp pytest_elastic
+      lanes_passed pytest_kernels pytest_shmem pytest_ep engine_vllm engine_sglang pytest_tp pytest_elastic
       own_gpu
       step bench_ep 150 bash launch.sh --nproc 1 benchmarks/bench_all_to_all.py --out "$out" --tokens 128,4096
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
@@ -230,8 +239,8 @@ for part in $parts; do
       lane multi_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engines tutorial01 tutorial02 tutorial03 \
-        tutorial04 tutorial06 ;;
+      lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engine_vllm engine_sglang tutorial01 tutorial02 \
+        tutorial03 tutorial04 tutorial06 ;;
     multi_bench_ep)
       # DeepEP's benchmark at every GPU (built first where multi has not), then ours with the put path beside the
       # pointer path (50 repetitions a decode setting, 12 at prefill) and on 24 SMs at prefill, which merges

@@ -23,7 +23,9 @@ and room for more ranks; a simulated world of 3 ranks (EPAllToAll.simulated, ker
 MoeEpDispatchers, where a rank stops answering: the others' combine completes after one timeout without
 its experts, lost() reports them, SGLang's active_ranks has the rank cleared, later calls wait for nothing.
 
-GPU (marked gpu): the same comparison with the nvshmem backend at 2 ranks in bf16.
+GPU (marked gpu): the same comparison with the nvshmem backend at 2 ranks in bf16. On a GPU, SGLang's MoE
+modules import its compiled kernels (``sgl_kernel``, the sglang-kernel wheel): where they are missing, the
+module skips.
 """
 import os
 import time
