@@ -41,7 +41,7 @@
 # for the new checkout). nvshmem4py wheels in .whl/ are installed into /tmp/site when nvshmem4py is not
 # importable. An engine's sources in .engines/ENGINE/ (ENGINE vllm or sglang: *.tar.gz with its top-level package
 # folder, and *.whl of what its modules import that the machine lacks) are unpacked into /tmp/moe_ep_engines/ENGINE,
-# a folder an engine, since the two pin different versions of what they share (openai): the path of its tests.
+# which goes on the path of that engine's tests only: the two pin different versions of what they share (openai).
 set -uo pipefail
 usage="usage: bash scripts/gpu_suite.sh OUTDIR [PART ...], PART one of quick multi multi_bench multi_bench_ep
   multi_bench_layers tests_ep tests_moe tests_tp elastic tests_cpu engines tutorials sweep8 deepep bench_ep
