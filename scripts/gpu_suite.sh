@@ -78,8 +78,9 @@ fi
 # Triton names a kernel's files in its cache by absolute path: point them at this checkout's cache.
 python3 scripts/triton_cache.py relocate "$TRITON_CACHE_DIR"
 
+engine_names="vllm sglang"    # each with its GPU tests in tests/test_<name>.py
 engines=""
-for engine in vllm sglang; do
+for engine in $engine_names; do
   compgen -G ".engines/$engine/*.tar.gz" >/dev/null || continue
   engines+="$engine "
   mkdir -p "/tmp/moe_ep_engines/$engine"
@@ -157,7 +158,7 @@ lane() {   # lane NAME SECONDS command... [--and-then NAME SECONDS command...]: 
 }
 engine_tests() {   # engine_tests SECONDS: each engine's GPU tests on its sources from .engines/ (a SKIP without them)
   local engine
-  for engine in vllm sglang; do
+  for engine in $engine_names; do
     if [[ " $engines " != *" $engine "* ]]; then
       skip "engine_$engine" "no $engine sources in .engines/$engine/"
       continue

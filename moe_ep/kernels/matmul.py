@@ -546,8 +546,10 @@ def small_m_tile(rows: int, n: int, element_size: int, programs: int, shards: in
     WAVE_SLACK of the best of them."""
     candidates = next(tiles for most, tiles in SMALL_M_TILES if most is None or rows <= most)
     busy = [t for t in candidates if tile_count(rows, n, t, shards) >= BUSY_SMS * programs] or [candidates[-1]]
-    fill = [wave_fill(tile_count(rows, n, t, shards), programs) if rows > FLOP_ROWS else 1.0 for t in busy]
-    tile = next(t for t, f in zip(busy, fill) if f * WAVE_SLACK >= max(fill))
+    tile = busy[0]
+    if rows > FLOP_ROWS:
+        fill = [wave_fill(tile_count(rows, n, t, shards), programs) for t in busy]
+        tile = next(t for t, f in zip(busy, fill) if f * WAVE_SLACK >= max(fill))
     return dict(tile, BLOCK_K=tile["BLOCK_K"] * 2 // element_size)
 
 
