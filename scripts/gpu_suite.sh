@@ -79,6 +79,7 @@ fi
 python3 scripts/triton_cache.py relocate "$TRITON_CACHE_DIR"
 
 engine_names="vllm sglang"    # each with its GPU tests in tests/test_<name>.py
+engine_steps=$(printf 'engine_%s ' $engine_names)     # their steps' names (engine_tests), for lanes_passed
 engines=""
 for engine in $engine_names; do
   compgen -G ".engines/$engine/*.tar.gz" >/dev/null || continue
@@ -163,8 +164,8 @@ engine_tests() {   # engine_tests SECONDS: each engine's GPU tests on its source
       skip "engine_$engine" "no $engine sources in .engines/$engine/"
       continue
     fi
-    step "engine_$engine" "$1" env PYTHONPATH="/tmp/moe_ep_engines/$engine:$PYTHONPATH" python3 -m pytest -q -rs -m gpu \
-      "tests/test_$engine.py"
+    step "engine_$engine" "$1" env PYTHONPATH="/tmp/moe_ep_engines/$engine:$PYTHONPATH" \
+      python3 -m pytest -q -rs -m gpu "tests/test_$engine.py"
   done
 }
 
@@ -208,7 +209,7 @@ for part in $parts; do
       unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
       wait
       cat "$out"/*.lane
-      lanes_passed pytest_kernels pytest_shmem pytest_ep engine_vllm engine_sglang pytest_tp pytest_elastic
+      lanes_passed pytest_kernels pytest_shmem pytest_ep $engine_steps pytest_tp pytest_elastic
       own_gpu
       step bench_ep 150 bash launch.sh --nproc 1 benchmarks/bench_all_to_all.py --out "$out" --tokens 128,4096
       step bench_moe 150 bash launch.sh --nproc 1 benchmarks/bench_moe_layer.py --out "$out" --tokens 128
@@ -240,7 +241,7 @@ for part in $parts; do
       lane multi_elastic 300 python3 -m pytest -q -rs -s -m gpu tests/test_ep_elastic.py
       wait
       cat "$out"/*.lane
-      lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp engine_vllm engine_sglang tutorial01 tutorial02 \
+      lanes_passed multi_ep multi_ep_calls multi_puts multi_elastic multi_tp $engine_steps tutorial01 tutorial02 \
         tutorial03 tutorial04 tutorial06 ;;
     multi_bench_ep)
       # DeepEP's benchmark at every GPU (built first where multi has not), then ours with the put path beside the
