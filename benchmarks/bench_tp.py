@@ -33,6 +33,10 @@ state) and whatever a call leaves for the next fall on all alike:
               choice for calls captured into a CUDA graph, made by the same call from replays of graphs of
               them: `auto_first_call_ms` is that call's host time, kernels already compiled, and
               `auto_timed_*_us` and `auto_graph_timed_*_us` the times it chose by)
+Every column is also timed back to back: `<x>_burst_us` is the median of GRAPH_CALLS (10) calls made in a row
+after a barrier (interleaved as above), per call, as a training step or a model's eager layers make them: there
+the host runs ahead of the GPU wherever a call's host time is below its GPU time, which a call timed alone pays
+in full before its first kernel runs.
 At decode sizes (M <= `--graph-rows`, default 512; 0: none) each column is also timed in a CUDA graph, as
 inference engines run decode: `<x>_graph_us` (plain_graph_us, fused_graph_us, ...) is the median of a graph of
 GRAPH_CALLS (10) back-to-back calls, captured after the eager warm-up (so auto has chosen its paths: its graph
@@ -40,7 +44,8 @@ takes auto_graph_path), its replays timed as the eager calls are (after a barrie
 GRAPH_CALLS: no host time, and the ranks' skew after the barrier shared by 10 calls. A column whose capture
 fails on any rank holds the failure, "failed: <type>: <message>" (another rank's with "(rank R)"), and is not
 replayed.
-Speedups are plain / x; `<x>_graph_speedup` = plain_graph_us / x_graph_us. Overlap efficiency =
+Speedups are plain / x; `<x>_burst_speedup` = plain_burst_us / x_burst_us, `<x>_graph_speedup` = plain_graph_us /
+x_graph_us. Overlap efficiency =
 (plain - best of ours) / min(comm, gemm): 1 is a perfect overlap. The cost model's predictions
 (moe_ep.tp.cost.predicted_us) are printed beside.
 Each row is printed as it is measured (a line, and '... still on <row>' every 30 s while one takes
@@ -57,9 +62,9 @@ import torch.distributed as dist
 from moe_ep import AsyncTP
 from moe_ep.kernels.matmul import DEFAULT_VARIANT, fused_tile_config, matmul
 from moe_ep.tp.cost import predicted_us
-from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, call_after_barrier_us, environment, failure,
-                           finish, graph_times, heading, interleaved_median_us, markdown_table, row_line, write_json,
-                           write_report)
+from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, burst_after_barrier_us, call_after_barrier_us,
+                           environment, failure, finish, graph_times, heading, interleaved_median_us, markdown_table,
+                           row_line, write_json, write_report)
 
 # prefill (a-d), then decode (M = 128 and 512 tokens). The run's time on two H200s (estimated until measured):
 # startup with NVSHMEM, AsyncTP's workspace and PyTorch's symmetric memory 15-25 s; about 20 kernels to
@@ -198,11 +203,14 @@ def measure(op, shape, tp, fused, iters, graph_rows, progress: Progress):
     progress.step(f"{iters} rounds of {len(timed)} timed calls")
     medians = interleaved_median_us([fn for _, fn in timed], iters, 0, call_after_barrier_us)
     row.update(zip((key for key, _ in timed), medians))
+    progress.step(f"{iters} rounds of {len(timed)} timed bursts of {GRAPH_CALLS} calls")
+    bursts = interleaved_median_us([fn for _, fn in timed], iters, 0, burst_after_barrier_us)
+    row.update((key.removesuffix("_us") + "_burst_us", t) for (key, _), t in zip(timed, bursts))
     if m <= graph_rows:
         progress.step(f"CUDA graphs of {GRAPH_CALLS} calls: capture, then {iters} rounds of replays")
         row.update(graph_times(timed, iters))
     for path in ("fused", "fused_tma", "chunked", "never", "auto", "torch"):
-        for us, speedup in (("_us", "_speedup"), ("_graph_us", "_graph_speedup")):
+        for us, speedup in (("_us", "_speedup"), ("_burst_us", "_burst_speedup"), ("_graph_us", "_graph_speedup")):
             if all(isinstance(row.get(key), float) for key in (f"plain{us}", f"{path}{us}")):
                 row[f"{path}{speedup}"] = row[f"plain{us}"] / row[f"{path}{us}"]
     for key in ("triton", "triton_tma", "triton_split"):
@@ -220,6 +228,9 @@ COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cu
            "triton_tma_vs_cublas", "triton_split_us", "triton_split_vs_cublas", "plain_us", "torch_us", "fused_us",
            "fused_tma_us", "chunked_us", "never_us", "auto_us", "torch_speedup", "fused_speedup", "fused_tma_speedup",
            "chunked_speedup", "never_speedup", "auto_speedup", "overlap_efficiency", "auto_path", "auto_graph_path",
+           "plain_burst_us", "torch_burst_us", "fused_burst_us", "fused_tma_burst_us", "chunked_burst_us",
+           "never_burst_us", "auto_burst_us", "torch_burst_speedup", "fused_burst_speedup", "fused_tma_burst_speedup",
+           "chunked_burst_speedup", "never_burst_speedup", "auto_burst_speedup",
            "comm_graph_us", "gemm_graph_us", "triton_graph_us", "triton_tma_graph_us", "triton_split_graph_us",
            "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us", "chunked_graph_us",
            "never_graph_us", "auto_graph_us", "torch_graph_speedup", "fused_graph_speedup", "fused_tma_graph_speedup",
@@ -231,7 +242,8 @@ COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_vs_cu
 # a row's line as it is measured
 ROW_COLUMNS = ["op", "M", "K", "N", "comm_us", "gemm_us", "triton_us", "triton_tma_us", "triton_split_us", "plain_us",
                "torch_us", "fused_us", "fused_tma_us", "chunked_us", "never_us", "auto_us", "auto_path",
-               "overlap_efficiency", "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us",
+               "overlap_efficiency", "plain_burst_us", "fused_tma_burst_us", "chunked_burst_us", "never_burst_us",
+               "auto_burst_us", "plain_graph_us", "torch_graph_us", "fused_graph_us", "fused_tma_graph_us",
                "chunked_graph_us", "never_graph_us", "auto_graph_us", "auto_graph_path"]
 
 

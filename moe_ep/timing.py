@@ -146,6 +146,17 @@ def graph_times(timed: list, iters: int) -> dict:
     return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
 
 
+def burst_after_barrier_us(fn, group=None) -> float:
+    """Microseconds a call of GRAPH_CALLS calls of fn() made back to back, begun on every rank of `group` together
+    (after a barrier), one pair of CUDA events around them all: how calls in a row run (a training step's, a
+    model's eager layers), the host ahead of the GPU wherever a call's host time is below its GPU time."""
+    def calls():
+        for _ in range(GRAPH_CALLS):
+            fn()
+    dist.barrier(group=group)
+    return call_us(calls) / GRAPH_CALLS
+
+
 def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None,
                    numbers: dict[str, tuple[int, str]] | None = None, **flags: str) -> argparse.Namespace:
     """Parse --out DIR, --iters N (default `iters`), --tokens N,N,... (token counts per rank, default

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from moe_ep.timing import (Progress, benchmark_args, failure, heading, interleaved_median_us, markdown_table,
-                           round_order, row_line, token_counts, write_json)
+from moe_ep import timing
+from moe_ep.timing import (GRAPH_CALLS, Progress, benchmark_args, burst_after_barrier_us, failure, heading,
+                           interleaved_median_us, markdown_table, round_order, row_line, token_counts, write_json)
 
 
 def test_heartbeat_names_a_block_that_runs_long(capsys):
@@ -93,3 +94,12 @@ def test_interleaved_rounds_vary_who_goes_first_and_who_follows_whom():
     assert {order[0] for order in orders} == set(range(n)), "each goes first in some round"
     followers = {i: {order[order.index(i) + 1] for order in orders if order[-1] != i} for i in range(n)}
     assert all(len(after) > 1 for after in followers.values()), f"none always follows the same one: {followers}"
+
+
+def test_a_burst_is_its_calls_in_a_row_after_one_barrier_timed_per_call(monkeypatch):
+    """burst_after_barrier_us: one barrier, then GRAPH_CALLS calls inside one timed span, over GRAPH_CALLS."""
+    seen = []
+    monkeypatch.setattr(timing.dist, "barrier", lambda group=None: seen.append(("barrier", group)))
+    monkeypatch.setattr(timing, "call_us", lambda fn: (seen.append("timed"), fn(), 70.0)[2])
+    assert burst_after_barrier_us(lambda: seen.append("call"), group="g") == 70.0 / GRAPH_CALLS
+    assert seen == [("barrier", "g"), "timed"] + ["call"] * GRAPH_CALLS

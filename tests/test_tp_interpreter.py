@@ -30,7 +30,14 @@ def simulated_group(world, max_rows, max_features, dtype, timeout_s=5.0, tile_lo
 
 def ag_gemm_on(tp, path):
     """The all-gather GEMM of `path` alone, after the pushes: the fused kernel's, or the chunked GEMMs'."""
-    return (tp.launches if path == "fused" else tp.copies).ag_gemm
+    if path == "fused":
+        return tp.launches.ag_gemm
+
+    def chunked(a_shard, w):
+        out = tp.copies.ag_gemm_own(a_shard, w)
+        tp.copies.ag_gemm_peers(a_shard, w, out)
+        return out
+    return chunked
 
 
 def weights(world, k, n, dtype, transposed, seed):

@@ -303,9 +303,14 @@ class AsyncTP(runtime.CommObject):
     def _ag_gemm_on(self, path: str, a_shard: torch.Tensor, w: torch.Tensor, return_gathered: bool):
         if path == "never":
             return plain.ag_gemm(a_shard, w, self.group, return_gathered)
+        # The GPU's first work, the own shard's tiles or GEMM, is queued before the pushes, whose host calls
+        # (a copy and a flag per peer) would otherwise hold it back; the pushes still start at the barrier.
         self.launches.reset("shard_flags", self.world)
-        self.copies.push_shard(a_shard, return_gathered)
-        out = (self.launches if path == "fused" else self.copies).ag_gemm(a_shard, w)
+        start = self.copies.fork()
+        out = self.launches.ag_gemm(a_shard, w) if path == "fused" else self.copies.ag_gemm_own(a_shard, w)
+        self.copies.push_shard(a_shard, return_gathered, start)
+        if path == "chunked":
+            self.copies.ag_gemm_peers(a_shard, w, out)
         self.copies.join()
         if return_gathered:
             m, k = a_shard.shape[0] * self.world, a_shard.shape[1]

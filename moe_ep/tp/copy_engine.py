@@ -25,34 +25,40 @@ class CopyEngine:
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
-    def push_shard(self, a_shard: torch.Tensor, own_copy: bool) -> None:
+    def push_shard(self, a_shard: torch.Tensor, own_copy: bool, start: torch.cuda.Event | None = None) -> None:
         """Copy a_shard [rows, K] into every peer's `gathered` (peer r+1 first), raising its flag after
-        each copy; into this rank's own too when the gathered A is wanted."""
+        each copy; into this rank's own too when the gathered A is wanted. The copies follow `start` (an
+        event of ``fork``), or without it whatever the current stream holds now."""
         c = self.config
         rows, k = a_shard.shape
         mine = slice(c.rank * rows * k, (c.rank + 1) * rows * k)
-        with self._on_stream():
-            for step in range(1, c.world):
-                peer = (c.rank + step) % c.world
-                self._put("gathered", mine, a_shard, peer)
-                self._raise_flag("shard_flags", peer, c.rank)
-            if own_copy:
+        self._follow(start)
+        for step in range(1, c.world):
+            peer = (c.rank + step) % c.world
+            self._put("gathered", mine, a_shard, peer)
+            self._raise_flag("shard_flags", peer, c.rank)
+        if own_copy:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 self.buffers.gathered[mine].view(rows, k).copy_(a_shard)
 
-    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """One cuBLAS GEMM per shard: the own shard first, then each shard once it has landed -> [W * rows, N]."""
+    def ag_gemm_own(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The chunked all-gather GEMM's first cuBLAS GEMM, the own shard's: out [W * rows, N], its rows
+        of this rank filled (``ag_gemm_peers`` fills the rest)."""
+        c = self.config
+        rows = a_shard.shape[0]
+        out = torch.empty((rows * c.world, w.shape[1]), dtype=c.dtype, device=a_shard.device)
+        torch.matmul(a_shard, w, out=out[c.rank * rows:(c.rank + 1) * rows])
+        return out
+
+    def ag_gemm_peers(self, a_shard: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """A cuBLAS GEMM per peer's shard into out (``ag_gemm_own``'s), each once the shard has landed."""
         c = self.config
         rows, k = a_shard.shape
-        out = torch.empty((rows * c.world, w.shape[1]), dtype=c.dtype, device=a_shard.device)
-        for step in range(c.world):
+        for step in range(1, c.world):
             shard = (c.rank - step) % c.world
-            if step == 0:
-                a = a_shard
-            else:
-                self.launches.wait_flag("shard_flags", shard)
-                a = self.buffers.gathered[shard * rows * k:(shard + 1) * rows * k].view(rows, k)
+            self.launches.wait_flag("shard_flags", shard)
+            a = self.buffers.gathered[shard * rows * k:(shard + 1) * rows * k].view(rows, k)
             torch.matmul(a, w, out=out[shard * rows:(shard + 1) * rows])
-        return out
 
     # ------------------------------------------------------------------------------------ GEMM reduce-scatter
 
@@ -65,9 +71,9 @@ class CopyEngine:
         for step in range(c.world - 1):
             dest = (c.rank + 1 + step) % c.world
             part = a[dest * rows:(dest + 1) * rows] @ w
-            with self._on_stream():
-                self._put("partials", mine, part, dest)
-                self._raise_flag("tile_flags", dest, c.rank)
+            self._follow()
+            self._put("partials", mine, part, dest)
+            self._raise_flag("tile_flags", dest, c.rank)
             if self.stream is not None:
                 part.record_stream(self.stream)
 
@@ -85,28 +91,42 @@ class CopyEngine:
 
     # ------------------------------------------------------------------------------------ the stream
 
+    def fork(self) -> torch.cuda.Event | None:
+        """An event recorded on the current stream now: where copies issued later may begin (``push_shard``),
+        so that the host can queue GPU work ahead of them (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def join(self) -> None:
         """The current stream waits for the copies issued so far."""
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
 
-    def _on_stream(self):
+    def _follow(self, start: torch.cuda.Event | None = None) -> None:
+        """What the copy stream does next follows `start` (an event of ``fork``), or without it the work the
+        current stream holds now. The copies and flags below go to the copy stream by name, not by making it
+        current: a stream switch per peer costs the host more than they do."""
         if self.stream is None:
-            return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.stream)
+            return
+        if start is None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        else:
+            self.stream.wait_event(start)
 
     def _put(self, name: str, where: slice, src: torch.Tensor, peer: int) -> None:
-        """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in stream order."""
+        """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in the copy stream's order."""
         if self.stream is not None:
-            runtime.put_on_stream(getattr(self.buffers, name)[where], src, peer, torch.cuda.current_stream())
+            runtime.put_on_stream(getattr(self.buffers, name)[where], src, peer, self.stream)
         else:
             self.views[name][peer][where].copy_(src.flatten())
 
     def _raise_flag(self, name: str, peer: int, index: int) -> None:
-        """Set element `index` of `peer`'s int64 buffer `name` to 1, in stream order, after a fence."""
+        """Set element `index` of `peer`'s int64 buffer `name` to 1, in the copy stream's order, after a fence."""
         if self.stream is not None:
             address = self.views[name][peer].data_ptr() + 8 * index
-            runtime.stream_write_value(address, 1, torch.cuda.current_stream())
+            runtime.stream_write_value(address, 1, self.stream)
         else:
             self.views[name][peer][index] = 1
