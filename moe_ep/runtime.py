@@ -23,7 +23,8 @@ Kernels that call NVSHMEM device functions (``moe_ep.shmem``) are launched with
 ``init`` runs ``nvshmemx_cumodule_init`` on every such module before its first launch.
 
 Host-side moves that use no SM: ``put_on_stream`` (copy engine) and ``stream_write_value``
-(a flag written by the stream itself). ``CommObject`` is the base of the objects that own
+(a flag written by the stream itself), and ``StreamMoves``, the two bound to one stream for host paths that
+make several a call. ``CommObject`` is the base of the objects that own
 symmetric buffers (EPAllToAll, AsyncTP): destroy(), check(), CommTimeoutError, and (``moe_ep.refusals``)
 the exchanges by which every rank of a group learns that some rank refused a call (CallRefusedError) or was
 built differently.
@@ -45,7 +46,7 @@ __all__ = [
     "NvshmemUnavailable", "ranks_per_gpu", "usable_sms", "init_distributed", "finalize_distributed", "init",
     "heap_size", "finalize", "is_initialized", "symmetric_empty", "symmetric_zeros", "free", "peer_ptr",
     "peer_tensor", "device_library", "barrier", "CommTimeoutError", "CallRefusedError", "nvshmem_unavailable",
-    "stream_write_value", "put_on_stream", "CommObject",
+    "stream_write_value", "put_on_stream", "StreamMoves", "CommObject",
 ]
 
 HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
@@ -441,6 +442,45 @@ def peer_tensor(t: torch.Tensor, pe: int) -> torch.Tensor:
     return core.get_peer_tensor(t, pe)
 
 
+class StreamMoves:
+    """Moves that use no SM, issued to one stream: a copy to a peer through NVSHMEM (the copy engine between
+    NVLink peers) and a 64-bit value written by the stream's front end. What each would otherwise make again
+    per call (the modules, the stream's handles, the driver's argument objects) is made once here, and a put
+    takes addresses unchecked: a host path that makes several a call (AsyncTP's copy engine: a copy and a
+    flag per peer) pays a few microseconds each on the GPU hosts' cold caches instead of about a dozen
+    (benchmarks/NOTES.md)."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        from cuda.bindings import driver
+
+        self._bindings = None                         # NVSHMEM's, at the first put (writes need only the driver)
+        self._driver, self._handle = driver, stream.cuda_stream
+        self._stream = driver.CUstream(self._handle)
+        self._pointers: dict[int, object] = {}        # address -> its CUdeviceptr
+        self._values: dict[int, object] = {}          # value -> its cuuint64_t
+
+    def put(self, dst_address: int, src_address: int, nbytes: int, pe: int) -> None:
+        """Copy `nbytes` from device `src_address` to `pe`'s copy of the symmetric memory at `dst_address` (this
+        rank's address of it), in stream order."""
+        if self._bindings is None:
+            _, self._bindings = _nvshmem()
+        self._bindings.putmem_on_stream(dst_address, src_address, nbytes, pe, self._handle)
+
+    def write(self, address: int, value: int) -> None:
+        """Write the 64-bit `value` at device `address` (local, or a peer pointer) from the stream's front end
+        once its earlier work is done, behind a memory fence (cuStreamWriteValue64)."""
+        driver = self._driver
+        pointer = self._pointers.get(address)
+        if pointer is None:
+            pointer = self._pointers[address] = driver.CUdeviceptr(address)
+        number = self._values.get(value)
+        if number is None:
+            number = self._values[value] = driver.cuuint64_t(value)
+        (err,) = driver.cuStreamWriteValue64(self._stream, pointer, number, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamWriteValue64 failed: {err}")
+
+
 def stream_write_value(address: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
     """Write the 64-bit `value` at device `address` (local, or a peer pointer) from `stream`'s front
     end once the stream's earlier work is done, behind a memory fence (cuStreamWriteValue64).
@@ -448,25 +488,18 @@ def stream_write_value(address: int, value: int, stream: torch.cuda.Stream | Non
     No SM takes part: a persistent kernel that holds every SM and waits for this flag cannot
     keep the write from happening, as it could keep a flag-setting kernel from starting.
     """
-    from cuda.bindings import driver
-
-    stream = stream or torch.cuda.current_stream()
-    (err,) = driver.cuStreamWriteValue64(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
-                                         driver.cuuint64_t(value), 0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamWriteValue64 failed: {err}")
+    StreamMoves(stream or torch.cuda.current_stream()).write(address, value)
 
 
 def put_on_stream(dst: torch.Tensor, src: torch.Tensor, pe: int, stream: torch.cuda.Stream | None = None) -> None:
     """Copy contiguous `src` into `pe`'s copy of `dst` (a view of a symmetric tensor, named by its
     local address), in `stream` order. Between NVLink peers NVSHMEM moves it with the copy engine."""
-    _, bindings = _nvshmem()
+    _nvshmem()
     if not (dst.is_contiguous() and src.is_contiguous()) or dst.numel() * dst.element_size() != \
             src.numel() * src.element_size():
         raise ValueError("put_on_stream needs contiguous tensors of the same size in bytes")
-    stream = stream or torch.cuda.current_stream()
-    bindings.putmem_on_stream(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), pe,
-                              stream.cuda_stream)
+    StreamMoves(stream or torch.cuda.current_stream()).put(dst.data_ptr(), src.data_ptr(),
+                                                            src.numel() * src.element_size(), pe)
 
 
 _libraries: dict[str, str] = {}       # NVSHMEM's device bitcode -> what kernels link (``device_library``)

@@ -22,6 +22,16 @@ class CopyEngine:
     def __init__(self, config: TPConfig, buffers: TPBuffers, views: dict[str, list[torch.Tensor]],
                  launches: Launches, stream: torch.cuda.Stream | None):
         self.config, self.buffers, self.views, self.launches, self.stream = config, buffers, views, launches, stream
+        if stream is None:
+            return
+        # Made once, for the host's sake (each costs an eager call tens of us on the GPU hosts' cold caches):
+        # the puts and flag writes bound to the copy stream, the addresses they take, and the events that order
+        # the two streams (an event may be recorded again once the waits on its last record are issued).
+        self._moves = runtime.StreamMoves(stream)
+        self._bases = {name: (getattr(buffers, name).data_ptr(), getattr(buffers, name).element_size())
+                       for name in ("gathered", "partials")}
+        self._flags = {name: [view.data_ptr() for view in views[name]] for name in ("shard_flags", "tile_flags")}
+        self._started, self._ready, self._done = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
 
     # ------------------------------------------------------------------------------------ all-gather GEMM
 
@@ -93,17 +103,17 @@ class CopyEngine:
 
     def fork(self) -> torch.cuda.Event | None:
         """An event recorded on the current stream now: where copies issued later may begin (``push_shard``),
-        so that the host can queue GPU work ahead of them (None on the CPU)."""
+        so that the host can queue GPU work ahead of them (None on the CPU). Valid until the next fork."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        self._started.record()
+        return self._started
 
     def join(self) -> None:
         """The current stream waits for the copies issued so far."""
         if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            self._done.record(self.stream)
+            torch.cuda.current_stream().wait_event(self._done)
 
     def _follow(self, start: torch.cuda.Event | None = None) -> None:
         """What the copy stream does next follows `start` (an event of ``fork``), or without it the work the
@@ -112,21 +122,21 @@ class CopyEngine:
         if self.stream is None:
             return
         if start is None:
-            self.stream.wait_stream(torch.cuda.current_stream())
-        else:
-            self.stream.wait_event(start)
+            self._ready.record()
+            start = self._ready
+        self.stream.wait_event(start)
 
     def _put(self, name: str, where: slice, src: torch.Tensor, peer: int) -> None:
         """Copy src into elements `where` of `peer`'s copy of symmetric buffer `name`, in the copy stream's order."""
-        if self.stream is not None:
-            runtime.put_on_stream(getattr(self.buffers, name)[where], src, peer, self.stream)
+        if self.stream is not None:            # src is contiguous: a checked operand, or a GEMM's output
+            base, size = self._bases[name]
+            self._moves.put(base + where.start * size, src.data_ptr(), src.numel() * src.element_size(), peer)
         else:
             self.views[name][peer][where].copy_(src.flatten())
 
     def _raise_flag(self, name: str, peer: int, index: int) -> None:
         """Set element `index` of `peer`'s int64 buffer `name` to 1, in the copy stream's order, after a fence."""
         if self.stream is not None:
-            address = self.views[name][peer].data_ptr() + 8 * index
-            runtime.stream_write_value(address, 1, self.stream)
+            self._moves.write(self._flags[name][peer] + 8 * index, 1)
         else:
             self.views[name][peer][index] = 1

@@ -63,6 +63,7 @@ class Launches:
                                          WORLD_PAD=next_power_of_2(config.world), num_warps=4, **waits)
                        for name in ("shard_flags", "tile_flags")}
         self.bound: dict[tuple, BoundKernel] = {}
+        self._descriptors: dict[tuple, object] = {}       # (rows, K, BLOCK_M, BLOCK_K) -> the gathered A's
 
     # ------------------------------------------------------------------------------------ fused GEMMs
 
@@ -76,12 +77,21 @@ class Launches:
         tiles = tile_count(rows, n, config, c.world)
         tma, descriptors = self._loads(a_shard, w, config)
         if tma:                     # the gathered A's between a's and w's
-            gathered = self.buffers.gathered[:c.world * rows * k].view(c.world * rows, k)
-            descriptors = (descriptors[0], descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]]),
-                           descriptors[1])
+            descriptors = (descriptors[0], self._gathered_descriptor(rows, k, config), descriptors[1])
         self._kernel(ag_gemm_kernel, tiles, config, k, w, tma)(a_shard, w, out, rows, n, k, w.stride(0),
                                                                 w.stride(1), *descriptors)
         return out
+
+    def _gathered_descriptor(self, rows: int, k: int, config: dict):
+        """The tensor descriptor of the gathered A [W * rows, K] in the tiles' boxes, made once per shape: it
+        spans a buffer of this object, and two tensor views and a descriptor cost an eager call tens of us on
+        the GPU hosts' cold caches."""
+        key = (rows, k, config["BLOCK_M"], config["BLOCK_K"])
+        made = self._descriptors.get(key)
+        if made is None:
+            gathered = self.buffers.gathered[:self.config.world * rows * k].view(self.config.world * rows, k)
+            made = self._descriptors[key] = descriptor(gathered, [config["BLOCK_M"], config["BLOCK_K"]])
+        return made
 
     def gemm_rs(self, a, w, out, config: dict, step_begin: int, step_end: int) -> None:
         """The GEMM reduce-scatter kernel over steps [step_begin, step_end) of its schedule (all of them
