@@ -146,15 +146,19 @@ def graph_times(timed: list, iters: int) -> dict:
     return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
 
 
+def in_a_row(fn, calls: int = GRAPH_CALLS) -> None:
+    """`calls` calls of fn() back to back, results dropped."""
+    for _ in range(calls):
+        fn()
+
+
 def burst_after_barrier_us(fn, group=None) -> float:
-    """Microseconds a call of GRAPH_CALLS calls of fn() made back to back, begun on every rank of `group` together
-    (after a barrier), one pair of CUDA events around them all: how calls in a row run (a training step's, a
-    model's eager layers), the host ahead of the GPU wherever a call's host time is below its GPU time."""
-    def calls():
-        for _ in range(GRAPH_CALLS):
-            fn()
+    """Microseconds a call of GRAPH_CALLS calls of fn() made back to back (``in_a_row``), begun on every rank of
+    `group` together (after a barrier), one pair of CUDA events around them all: how calls in a row run (a
+    training step's, a model's eager layers), the host ahead of the GPU wherever a call's host time is below its
+    GPU time."""
     dist.barrier(group=group)
-    return call_us(calls) / GRAPH_CALLS
+    return call_us(functools.partial(in_a_row, fn)) / GRAPH_CALLS
 
 
 def benchmark_args(doc: str, iters: int, tokens: tuple[int, ...] | None = None,

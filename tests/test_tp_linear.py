@@ -359,14 +359,15 @@ def _measured_choice_agrees_and_is_cached(rank, world):
 
     config = TPConfig(world, rank, 16384, 8192, torch.bfloat16, "nvshmem", "auto", 1.0, "pointer")
     tp = Autotuner(config, None, torch.device("cpu"))   # the nvshmem backend's choice logic, no buffers
-    # Each candidate's timed calls in turn, the same every shape: by its first call "chunked" wins, by the
-    # means "never" (the outlier of "fused"), by the medians "fused" (22 on rank 1, where "never" alone wins).
-    # In graphs (a replay's time, GRAPH_CALLS calls) "chunked" wins: 19 us a call on its slowest rank.
-    clock = {"chunked": [5.0, 30.0, 30.0, 30.0, 40.0, 40.0, 40.0],
-             "fused": [20.0 + 2 * rank, 20.0 + 2 * rank, 1000.0, *[20.0 + 2 * rank] * 4],
-             "never": [25.0 - 10 * rank] * 7,
-             "graph chunked": [GRAPH_CALLS * (18.0 + rank)] * 7, "graph fused": [GRAPH_CALLS * 21.0] * 7,
-             "graph never": [GRAPH_CALLS * 20.0] * 7}
+    # Each candidate's timed bursts in turn (GRAPH_CALLS calls each, so its times over GRAPH_CALLS), the same
+    # every shape: by its first burst "chunked" wins, by the means "never" (the outlier of "fused"), by the
+    # medians "fused" (22 on rank 1, where "never" alone wins). In graphs (a replay's time, GRAPH_CALLS calls)
+    # "chunked" wins: 19 us a call on its slowest rank.
+    per_call = {"chunked": [5.0, 30.0, 30.0, 30.0, 40.0, 40.0, 40.0],
+                "fused": [20.0 + 2 * rank, 20.0 + 2 * rank, 1000.0, *[20.0 + 2 * rank] * 4],
+                "never": [25.0 - 10 * rank] * 7,
+                "graph chunked": [18.0 + rank] * 7, "graph fused": [21.0] * 7, "graph never": [20.0] * 7}
+    clock = {path: [GRAPH_CALLS * t for t in times] for path, times in per_call.items()}
     assert MEASURE_ROUNDS == 7                     # one time a round
     clock = {path: itertools.cycle(times) for path, times in clock.items()}
     ran, timed, failing = [], [], {}
@@ -388,16 +389,19 @@ def _measured_choice_agrees_and_is_cached(rank, world):
     assert tp.path("ag_gemm", 16384, 8192, 4096, ran.append) == "fused"
     paths = ["chunked", "fused", "never"]
     warmup, rounds = len(paths) * MEASURE_WARMUP, [i for r in range(MEASURE_ROUNDS) for i in timing.round_order(r, 3)]
-    eager_calls = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
-    calls = 2 * eager_calls + len(paths)           # the eager calls, a capture of each, the replays
-    # warmed up first, then round r times each candidate once, in the round's order (the same on every rank);
-    # then each captured, in the candidates' order, and the replays warmed up and timed likewise
+    bursts = len(paths) * (MEASURE_WARMUP + MEASURE_ROUNDS)
+    eager_calls = bursts * GRAPH_CALLS
+    calls = eager_calls + len(paths) + bursts      # the eager bursts' calls, a capture of each, the replays
+    # bursts of GRAPH_CALLS calls of one candidate, warmed up first, then round r times each candidate's burst
+    # once, in the round's order (the same on every rank); then each captured, in the candidates' order, and
+    # the replays warmed up and timed likewise
     eager, graphs = ran[:eager_calls], ran[eager_calls:]
-    assert eager[:warmup] == paths * MEASURE_WARMUP and len(ran) == calls
+    assert eager == [path for path in eager[::GRAPH_CALLS] for _ in range(GRAPH_CALLS)] and len(ran) == calls
+    assert eager[:warmup * GRAPH_CALLS:GRAPH_CALLS] == paths * MEASURE_WARMUP
     assert graphs[:len(paths)] == [f"capture {p}" for p in paths]
     assert graphs[len(paths):len(paths) + warmup] == [f"graph {p}" for p in paths] * MEASURE_WARMUP
-    assert timed == eager[warmup:] + graphs[len(paths) + warmup:] == [paths[i] for i in rounds] + [
-        f"graph {paths[i]}" for i in rounds]
+    assert timed == eager[warmup * GRAPH_CALLS::GRAPH_CALLS] + graphs[len(paths) + warmup:] == [
+        paths[i] for i in rounds] + [f"graph {paths[i]}" for i in rounds]
     choice = tp.choices[("ag_gemm", 16384, 8192, 4096)]
     assert choice["times_us"] == {"chunked": 30.0, "fused": 22.0, "never": 25.0} and choice["first_call_ms"] > 0
     # the graphs' choice is its own, by its replays' times over GRAPH_CALLS, on their slowest rank
