@@ -25,8 +25,9 @@ Each call takes one of three paths (``overlap``):
 apart: the first call of each shape (op, M, K, N; the object fixes dtype and group) times the candidate
 paths on its operands (interleaved, round after round, each a burst of ``timing.GRAPH_CALLS`` calls in a row
 after a barrier, as a model makes its calls; the median of each path's bursts counts: ``autotune``), then
-times them again as replays of CUDA graphs, one a path of as many calls captured on every rank (a path whose capture failed on any rank is left out
-of that choice; "never" stays in it, and is taken untimed where its own capture failed). Each choice takes
+times them again as replays of CUDA graphs, one a path of as many calls captured on every rank (a path
+whose capture failed on any rank is left out of that choice; "never" stays in it, and is taken untimed
+where its own capture failed). Each choice takes
 each path's time on its slowest rank (an all-reduce MAX, so that every rank picks the same path) and keeps
 the fastest for every later call of that shape in its mode, "never" unless an overlapped path took at most
 ``cost.MARGIN`` (0.97) of its time: an eager call takes the eager times' choice, a call made while its

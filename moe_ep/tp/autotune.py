@@ -11,8 +11,9 @@ GEMM at M = 4096 took 866 us alone and 738 a call in a row, where NCCL and cuBLA
 burst columns). The candidates are timed interleaved (``timing.interleaved_median_us``): each warmed up, then
 round after round one timed burst (or replay) of each, begun after a barrier, and the median of each one's
 counts, so that neither drift while they are timed (clocks, NCCL's first calls of a size, host jitter) nor the
-skew one path leaves between the ranks decides between them. A candidate whose graph could not be captured on some rank is left out of the
-graphs' choice on every rank; "never" stays in it, untimed where its own capture failed (and then taken)."""
+skew one path leaves between the ranks decides between them. A candidate whose graph could not be captured on
+some rank is left out of the graphs' choice on every rank; "never" stays in it, untimed where its own capture
+failed (and then taken)."""
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,9 @@ class Autotuner:
         """"never", "fused" or "chunked" for a call of `op` on [M, K] @ [K, N]. Under overlap="auto" the
         first call of a shape runs `run(path)` (the op on this call's operands, result dropped) for each
         candidate, (MEASURE_WARMUP + MEASURE_ROUNDS) bursts of GRAPH_CALLS calls, then captures GRAPH_CALLS
-        calls of it into a graph: collective, as every call. A call made while its stream is being captured takes the graphs'
-        choice; RuntimeError if it is the first of a shape with candidates to time (make one eager call first).
+        calls of it into a graph: collective, as every call. A call made while its stream is being captured takes
+        the graphs' choice; RuntimeError if it is the first of a shape with candidates to time (make one eager
+        call first).
         Whether the stream is being captured (a CUDA call) is asked at a shape's first call, then only where its
         two choices differ."""
         if m == 0 or n == 0:
