@@ -96,6 +96,12 @@ def failure(e: Exception) -> str:
     return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
 
 
+def in_a_row(fn, calls: int = GRAPH_CALLS) -> None:
+    """`calls` calls of fn() back to back, results dropped."""
+    for _ in range(calls):
+        fn()
+
+
 def capture(fn, calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `calls` back-to-back calls of fn(). Where the capture fails, the device is synchronized
     and the exception of the call that spoiled the capture is raised (not the capture's end's, which follows it)."""
@@ -103,8 +109,7 @@ def capture(fn, calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
     try:
         with torch.cuda.graph(graph):
             try:
-                for _ in range(calls):
-                    fn()
+                in_a_row(fn, calls)
             except Exception as e:
                 error = e
                 raise
@@ -144,12 +149,6 @@ def graph_times(timed: list, iters: int) -> dict:
     graphs = {name: graph for name, graph in graphs.items() if name not in failed}
     medians = interleaved_median_us([graph.replay for graph in graphs.values()], iters, 1, call_after_barrier_us)
     return {**failed, **{name: t / GRAPH_CALLS for name, t in zip(graphs, medians)}}
-
-
-def in_a_row(fn, calls: int = GRAPH_CALLS) -> None:
-    """`calls` calls of fn() back to back, results dropped."""
-    for _ in range(calls):
-        fn()
 
 
 def burst_after_barrier_us(fn, group=None) -> float:

@@ -28,8 +28,8 @@ class CopyEngine:
         # the puts and flag writes bound to the copy stream, the addresses they take, and the events that order
         # the two streams (an event may be recorded again once the waits on its last record are issued).
         self._moves = runtime.StreamMoves(stream)
-        self._bases = {name: (getattr(buffers, name).data_ptr(), getattr(buffers, name).element_size())
-                       for name in ("gathered", "partials")}
+        self._bases = {name: (buffer.data_ptr(), buffer.element_size())
+                       for name, buffer in (("gathered", buffers.gathered), ("partials", buffers.partials))}
         self._flags = {name: [view.data_ptr() for view in views[name]] for name in ("shard_flags", "tile_flags")}
         self._started, self._ready, self._done = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
 
